@@ -1,0 +1,107 @@
+"""The DFlash drafter: a few Qwen3-style layers that draft a whole block in one pass.
+
+Block tokens `[last committed, MASK, ...]` are embedded with the target's table; target
+features of committed positions go through `fc` + `hidden_norm` and are put in front of the
+block as extra keys/values in every layer (each layer projects them with its own k/v).
+Queries come from the block only and see every committed position plus the whole block.
+Logits come from the target's `lm_head`; the drafter owns neither table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from dflow_rt.models.layers import DecoderLayer, KVCache, RMSNorm, rope_cos_sin, rope_inv_freq
+
+
+def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """Default choice of conditioning layers: spread evenly, skipping the first and last few."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    span = num_target_layers - 4
+    return [round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: tuple[int, ...]
+    num_target_layers: int
+    rope_theta: float = 1_000_000.0
+    rope_scaling: dict | None = field(default=None, hash=False)
+    rms_norm_eps: float = 1e-6
+    attention_bias: bool = False
+    max_position_embeddings: int = 4096
+
+
+class Drafter(nn.Module):
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        c = self.config = config
+        self.layers = nn.ModuleList(
+            DecoderLayer(c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads,
+                         c.head_dim, c.rms_norm_eps, True, c.attention_bias)
+            for _ in range(c.num_hidden_layers)
+        )
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.fc = nn.Linear(len(c.target_layer_ids) * c.hidden_size, c.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.register_buffer("inv_freq", rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling),
+                             persistent=False)
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @property
+    def target_layer_ids(self) -> tuple[int, ...]:
+        return self.config.target_layer_ids
+
+    def new_cache(self, batch: int, max_len: int) -> KVCache:
+        c, w = self.config, self.fc.weight
+        return KVCache(c.num_hidden_layers, batch, c.num_key_value_heads, max_len, c.head_dim, w.dtype, w.device)
+
+    def forward(self, block_emb: torch.Tensor, block_pos: torch.Tensor, ctx_feat: torch.Tensor,
+                ctx_pos: torch.Tensor, cache: KVCache, rows: torch.Tensor) -> torch.Tensor:
+        """Hidden states [batch, block, hidden] of one draft pass.
+
+        `ctx_feat` [batch, n, K*hidden] are target features of newly committed positions
+        `ctx_pos`; their projected keys/values are appended to `cache` (committed context
+        only). The block at `block_pos` sees cache positions before its first slot.
+        """
+        ctx = self.hidden_norm(self.fc(ctx_feat))
+        cos_c, sin_c = rope_cos_sin(ctx_pos, self.inv_freq, ctx.dtype)
+        cos_b, sin_b = rope_cos_sin(block_pos, self.inv_freq, block_emb.dtype)
+        committed = torch.arange(cache.max_len, device=block_pos.device) < block_pos[:, :1, None]
+        mask = torch.cat([committed.expand(-1, block_pos.shape[1], -1),
+                          committed.new_ones(block_pos.shape[0], block_pos.shape[1], block_pos.shape[1])], dim=-1)
+        h = block_emb
+        for i, layer in enumerate(self.layers):
+            def attend(attn, x, i=i):
+                k_ctx, v_ctx = attn.key_value(ctx, cos_c, sin_c)
+                cache.write(i, rows, ctx_pos, k_ctx, v_ctx)
+                k_blk, v_blk = attn.key_value(x, cos_b, sin_b)
+                k = torch.cat([cache.k[i][rows], k_blk], dim=2)
+                v = torch.cat([cache.v[i][rows], v_blk], dim=2)
+                return attn.output(attn.query(x, cos_b, sin_b), k, v, mask)
+
+            h = layer(h, attend)
+        return self.norm(h)
+
+    def propose(self, target: nn.Module, block_ids: torch.Tensor, block_pos: torch.Tensor,
+                ctx_feat: torch.Tensor, ctx_pos: torch.Tensor, cache: KVCache,
+                rows: torch.Tensor) -> torch.Tensor:
+        """Greedy drafts [batch, block - 1] for slots 1.. of `block_ids` (one denoising step)."""
+        h = self(target.embed_tokens(block_ids), block_pos, ctx_feat, ctx_pos, cache, rows)
+        return target.lm_head(h[:, 1:]).argmax(-1)

@@ -1,0 +1,98 @@
+"""The target LLM: a Qwen3 / Llama decoder over a static KV cache that also returns the
+hidden states of chosen layers (the drafter's conditioning).
+
+`features` are outputs of decoder layers `layer_ids` concatenated on the last axis: HF's
+`hidden_states[l + 1]`. For the last layer this is the raw output, before the final norm.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from dflow_rt.models.layers import DecoderLayer, KVCache, RMSNorm, rope_cos_sin, rope_inv_freq
+
+ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}
+
+
+@dataclass(frozen=True)
+class TargetConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rope_theta: float = 1_000_000.0
+    rope_scaling: dict | None = field(default=None, hash=False)
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 4096
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    model_type: str = "qwen3"
+
+    @property
+    def qk_norm(self) -> bool:
+        return self.model_type == "qwen3"
+
+
+def rope_settings(cfg: dict) -> tuple[float, dict | None]:
+    """(theta, scaling) from either `rope_theta`+`rope_scaling` or the newer `rope_parameters`."""
+    params = cfg.get("rope_parameters") or {}
+    theta = params.get("rope_theta", cfg.get("rope_theta", 10_000.0))
+    scaling = cfg.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
+    return float(theta), scaling
+
+
+class Target(nn.Module):
+    def __init__(self, config: TargetConfig):
+        super().__init__()
+        c = self.config = config
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.model.layers = nn.ModuleList(
+            DecoderLayer(c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads,
+                         c.head_dim, c.rms_norm_eps, c.qk_norm, c.attention_bias, c.mlp_bias)
+            for _ in range(c.num_hidden_layers)
+        )
+        self.model.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        if c.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.register_buffer("inv_freq", rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling),
+                             persistent=False)
+
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def new_cache(self, batch: int, max_len: int) -> KVCache:
+        c, w = self.config, self.lm_head.weight
+        return KVCache(c.num_hidden_layers, batch, c.num_key_value_heads, max_len, c.head_dim, w.dtype, w.device)
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, rows: torch.Tensor,
+                layer_ids: tuple[int, ...] = (), logits_from: int = 0):
+        """Run `ids` [batch, seq] at `positions` [batch, seq] on cache `rows` [batch].
+
+        Each token sees the cache entries at positions up to its own (causal). Returns
+        (logits of positions `logits_from:`, features [batch, seq, len(layer_ids) * hidden]).
+        """
+        h = self.model.embed_tokens(ids)
+        cos, sin = rope_cos_sin(positions, self.inv_freq, h.dtype)
+        mask = torch.arange(cache.max_len, device=ids.device) <= positions[:, :, None]
+        picked = {}
+        for i, layer in enumerate(self.model.layers):
+            def attend(attn, x, i=i):
+                k, v = attn.key_value(x, cos, sin)
+                cache.write(i, rows, positions, k, v)
+                return attn.output(attn.query(x, cos, sin), cache.k[i][rows], cache.v[i][rows], mask)
+
+            h = layer(h, attend)
+            if i in layer_ids:
+                picked[i] = h
+        features = torch.cat([picked[i] for i in layer_ids], dim=-1) if layer_ids else None
+        return self.lm_head(self.model.norm(h[:, logits_from:])), features

@@ -1,0 +1,23 @@
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import settings
+
+# Deterministic property tests: CI explores the same examples every run.
+settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True)
+settings.register_profile("dev", deadline=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+FIXTURES = Path(__file__).parent / "fixtures" / "dflash_reference"
+
+
+@pytest.fixture(scope="session")
+def reference_pair():
+    """The target and drafter the public DFlash implementation produced the fixtures with."""
+    import dflow_rt
+
+    target = dflow_rt.load_target(FIXTURES / "target")
+    return target, dflow_rt.load_drafter(FIXTURES / "drafter", target)

@@ -1,0 +1,64 @@
+"""Tiny random models shared by the tests: an HF reference and our copy of the same weights."""
+
+from __future__ import annotations
+
+import torch
+import transformers
+
+import dflow_rt
+from dflow_rt.models.checkpoint import target_config
+
+
+def tiny_hf_target(seed: int, vocab: int = 16, hidden: int = 32, layers: int = 2, heads: int = 4,
+                   kv_heads: int = 2, head_dim: int = 8, tied: bool = False, family: str = "qwen3"):
+    """A random HF Qwen3/Llama model (fp32, eager attention) with logits sharp enough to avoid ties."""
+    cls_cfg, cls_model = {
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+    }[family]
+    cfg = cls_cfg(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                  num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+                  tie_word_embeddings=tied, max_position_embeddings=512, attn_implementation="eager")
+    torch.manual_seed(seed)
+    model = cls_model(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.3)
+    return model
+
+
+def ours_from_hf(hf) -> dflow_rt.Target:
+    config = target_config(hf.config.to_dict(), "hf")
+    model = dflow_rt.Target(config)
+    model.load_state_dict(hf.state_dict(), strict=False)
+    return model.eval()
+
+
+def tiny_drafter(target: dflow_rt.Target, seed: int, layers: int = 1, block_size: int = 16,
+                 layer_ids: tuple[int, ...] = (0, 1)) -> dflow_rt.Drafter:
+    t = target.config
+    config = dflow_rt.DrafterConfig(
+        hidden_size=t.hidden_size, intermediate_size=2 * t.hidden_size, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=t.vocab_size, block_size=block_size,
+        mask_token_id=t.vocab_size - 1, target_layer_ids=layer_ids, num_target_layers=t.num_hidden_layers,
+    )
+    torch.manual_seed(seed)
+    drafter = dflow_rt.Drafter(config)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.normal_(0, 0.3) if p.dim() > 1 else p.uniform_(0.5, 1.5)
+    return drafter.eval()
+
+
+@torch.no_grad()
+def hf_greedy(hf, prompt: list[int], max_new_tokens: int, stop_token_ids=()) -> list[int]:
+    """Plain autoregressive greedy decoding, recomputing the whole sequence each step."""
+    ids, out = list(prompt), []
+    while len(out) < max_new_tokens:
+        tok = int(hf(torch.tensor([ids])).logits[0, -1].argmax())
+        out.append(tok)
+        ids.append(tok)
+        if tok in stop_token_ids:
+            break
+    return out

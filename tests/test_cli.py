@@ -1,0 +1,62 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+import dflow_rt
+from dflow_rt.cli import main
+
+
+@pytest.fixture(scope="module")
+def demo_models(tmp_path_factory):
+    out = tmp_path_factory.mktemp("demo")
+    assert main(["init-random", str(out)]) == 0
+    return out / "target", out / "drafter"
+
+
+def run_json(capsys, *argv):
+    assert main(["generate", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_generate_json_is_lossless_and_complete(demo_models, capsys):
+    target_dir, drafter_dir = demo_models
+    spec = run_json(capsys, "--target", str(target_dir), "--drafter", str(drafter_dir), "--prompt", "def f(x):",
+                    "--max-new-tokens", "24")
+    plain = run_json(capsys, "--target", str(target_dir), "--prompt", "def f(x):", "--max-new-tokens", "24")
+    assert {"text", "token_ids", "acceptance_lengths", "tau", "tokens_per_s"} <= spec.keys()
+    assert spec["token_ids"] == plain["token_ids"] and spec["text"] == plain["text"]
+    assert plain["acceptance_lengths"] == [1] * (len(plain["token_ids"]) - 1)
+    target = dflow_rt.load_target(target_dir)
+    expected = dflow_rt.generate(target, None, spec["prompt_ids"], max_new_tokens=24).token_ids
+    assert spec["token_ids"] == expected
+    assert spec["tau"] == pytest.approx(sum(spec["acceptance_lengths"]) / len(spec["acceptance_lengths"]), abs=1e-3)
+
+
+def test_generate_text_and_chat(demo_models, capsys):
+    target_dir, drafter_dir = demo_models
+    assert main(["generate", "--target", str(target_dir), "--drafter", str(drafter_dir), "--prompt", "hello",
+                 "--max-new-tokens", "8", "--block-size", "4", "--chat"]) == 0
+    out = capsys.readouterr().out
+    assert "tau" in out and "tokens/s" in out and "rounds" in out
+    chat = run_json(capsys, "--target", str(target_dir), "--prompt", "hello", "--chat", "--max-new-tokens", "4")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(target_dir))
+    assert tok.decode(chat["prompt_ids"]) == "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_errors_are_one_line(demo_models, tmp_path):
+    target_dir, _ = demo_models
+    cases = [
+        ["--target", str(tmp_path / "nope"), "--prompt", "x"],
+        ["--target", str(target_dir), "--prompt", "x", "--max-new-tokens", "100000"],
+        ["--target", str(target_dir), "--drafter", str(target_dir), "--prompt", "x"],
+    ]
+    for argv in cases:
+        proc = subprocess.run([sys.executable, "-m", "dflow_rt.cli", "generate", *argv], capture_output=True,
+                              text=True, timeout=120)
+        assert proc.returncode == 2, proc.stderr
+        assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+        assert proc.stderr.startswith("dflow-rt: error: ")

@@ -1,0 +1,97 @@
+"""The reference round: exactly the DFlash reference's outputs, and exactly target greedy."""
+
+import json
+import random
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import dflow_rt
+from tests.conftest import FIXTURES
+from tests.helpers import hf_greedy, ours_from_hf, tiny_drafter, tiny_hf_target
+
+ROUNDS = json.loads((FIXTURES / "rounds.json").read_text())
+
+
+def test_rounds_match_reference_implementation(reference_pair):
+    target, drafter = reference_pair
+    for case in ROUNDS["cases"]:
+        out = dflow_rt.generate(target, drafter, case["prompt_ids"], max_new_tokens=case["max_new_tokens"])
+        assert out.token_ids == case["output_ids"]
+        n = len(out.acceptance_lengths)
+        # The reference always finishes a round and cuts afterwards, so it may run one more.
+        assert out.acceptance_lengths[: n - 1] == case["acceptance_lengths"][: n - 1]
+        assert n in (len(case["acceptance_lengths"]), len(case["acceptance_lengths"]) - 1)
+        assert out.acceptance_lengths[-1] <= case["acceptance_lengths"][n - 1]
+    assert {a for c in ROUNDS["cases"] for a in c["acceptance_lengths"]} >= {1, 16}, "fixture should vary acceptance"
+
+
+def test_prompt_as_tensor_and_autoregressive_mode(reference_pair):
+    target, drafter = reference_pair
+    case = ROUNDS["cases"][0]
+    as_tensor = dflow_rt.generate(target, drafter, torch.tensor(case["prompt_ids"]), max_new_tokens=20)
+    plain = dflow_rt.generate(target, None, case["prompt_ids"], max_new_tokens=20)
+    one = dflow_rt.generate(target, drafter, case["prompt_ids"], max_new_tokens=20, block_size=1)
+    assert as_tensor.token_ids == plain.token_ids == one.token_ids == case["output_ids"][:20]
+    assert plain.acceptance_lengths == one.acceptance_lengths == [1] * 19
+
+
+class OracleDrafter:
+    """Drafts the true greedy continuation, corrupting each slot with probability `noise`.
+
+    Long acceptances and rejections at every slot exercise commit and carry bookkeeping
+    that a random drafter rarely reaches.
+    """
+
+    def __init__(self, real: dflow_rt.Drafter, prompt_len: int, continuation: list[int], noise: float, seed: int):
+        self.real, self.prompt_len, self.continuation = real, prompt_len, continuation
+        self.noise, self.rng = noise, random.Random(seed)
+        self.config, self.block_size, self.target_layer_ids = real.config, real.block_size, real.target_layer_ids
+
+    def new_cache(self, batch, max_len):
+        return self.real.new_cache(batch, max_len)
+
+    def propose(self, target, block_ids, block_pos, ctx_feat, ctx_pos, cache, rows):
+        first = int(block_pos[0, 1]) - self.prompt_len
+        vocab = self.config.vocab_size
+        drafts = []
+        for i in range(first, first + block_ids.shape[1] - 1):
+            tok = self.continuation[i] if i < len(self.continuation) else 0
+            if self.rng.random() < self.noise:
+                tok = (tok + 1 + self.rng.randrange(vocab - 1)) % vocab
+            drafts.append(tok)
+        return torch.tensor([drafts])
+
+
+@settings(max_examples=60)
+@given(
+    seed=st.integers(0, 10_000),
+    vocab=st.integers(3, 12),
+    layers=st.integers(2, 3),
+    tied=st.booleans(),
+    block_size=st.sampled_from([1, 2, 4, 8, 16]),
+    prompt_len=st.integers(1, 20),
+    max_new_tokens=st.integers(1, 64),
+    use_stop=st.booleans(),
+    drafter_kind=st.sampled_from(["random", "oracle", "noisy-oracle"]),
+)
+def test_lossless_against_target_greedy(seed, vocab, layers, tied, block_size, prompt_len, max_new_tokens,
+                                        use_stop, drafter_kind):
+    hf = tiny_hf_target(seed, vocab=vocab, layers=layers, tied=tied)
+    target = ours_from_hf(hf)
+    rng = random.Random(seed)
+    prompt = [rng.randrange(vocab) for _ in range(prompt_len)]
+    stops = [rng.randrange(vocab)] if use_stop else []
+    expected = hf_greedy(hf, prompt, max_new_tokens, stops)
+    drafter = tiny_drafter(target, seed, layer_ids=tuple(range(layers))[-2:])
+    if drafter_kind != "random":
+        full = hf_greedy(hf, prompt, max_new_tokens + block_size)
+        drafter = OracleDrafter(drafter, prompt_len, full, 0.0 if drafter_kind == "oracle" else 0.3, seed)
+    out = dflow_rt.generate(target, drafter, prompt, max_new_tokens=max_new_tokens, block_size=block_size,
+                            stop_token_ids=stops)
+    assert out.token_ids == expected
+    assert all(1 <= a <= block_size for a in out.acceptance_lengths)
+    assert sum(out.acceptance_lengths) >= len(out.token_ids) - 1
+    if drafter_kind == "oracle" and not stops:
+        assert all(a == block_size for a in out.acceptance_lengths[:-1])
