@@ -74,22 +74,27 @@ class Target(nn.Module):
         c, w = self.config, self.lm_head.weight
         return KVCache(c.num_hidden_layers, batch, c.num_key_value_heads, max_len, c.head_dim, w.dtype, w.device)
 
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, rows: torch.Tensor,
-                layer_ids: tuple[int, ...] = (), logits_from: int = 0):
-        """Run `ids` [batch, seq] at `positions` [batch, seq] on cache `rows` [batch].
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache | None = None,
+                rows: torch.Tensor | None = None, layer_ids: tuple[int, ...] = (), logits_from: int = 0):
+        """Run `ids` [batch, seq] at `positions` [batch, seq], causally.
 
-        Each token sees the cache entries at positions up to its own (causal). Returns
-        (logits of positions `logits_from:`, features [batch, seq, len(layer_ids) * hidden]).
+        With a `cache`, keys/values are written to cache `rows` [batch] and each token sees the
+        cache entries at positions up to its own; without one (training), the sequence sees
+        only itself. Returns (logits of positions `logits_from:`, features [batch, seq,
+        len(layer_ids) * hidden] or None).
         """
         h = self.model.embed_tokens(ids)
         cos, sin = rope_cos_sin(positions, self.inv_freq, h.dtype)
-        mask = torch.arange(cache.max_len, device=ids.device) <= positions[:, :, None]
+        keys = positions[:, None, :] if cache is None else torch.arange(cache.max_len, device=ids.device)
+        mask = keys <= positions[:, :, None]
         picked = {}
         for i, layer in enumerate(self.model.layers):
             def attend(attn, x, i=i):
                 k, v = attn.key_value(x, cos, sin)
-                cache.write(i, rows, positions, k, v)
-                return attn.output(attn.query(x, cos, sin), cache.k[i][rows], cache.v[i][rows], mask)
+                if cache is not None:
+                    cache.write(i, rows, positions, k, v)
+                    k, v = cache.k[i][rows], cache.v[i][rows]
+                return attn.output(attn.query(x, cos, sin), k, v, mask)
 
             h = layer(h, attend)
             if i in layer_ids:
