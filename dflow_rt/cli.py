@@ -48,6 +48,17 @@ def cmd_init_random(args: argparse.Namespace) -> None:
     print(f"wrote {target_dir} and {drafter_dir} (random weights: the text they write is noise)")
 
 
+def cmd_convert(args: argparse.Namespace) -> None:
+    from dflow_rt.models.checkpoint import load_drafter, save_model
+    from dflow_rt.models.drafter import with_relay
+
+    parent = load_drafter(args.from_dflash, None)
+    if parent.relay is not None:
+        raise DflowError(f"{args.from_dflash}: already a DFlow drafter (it has 'dflow_config')")
+    out = save_model(with_relay(parent, args.relay_hidden or parent.config.hidden_size, args.seed), args.out)
+    print(f"wrote {out}: DFlow drafter with a zero-initialised relay (drafts exactly like its parent)")
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dflow-rt", description="Block-diffusion speculative decoding runtime.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -66,6 +77,12 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("out_dir")
     r.add_argument("--seed", type=int, default=0)
     r.set_defaults(run=cmd_init_random)
+    c = sub.add_parser("convert", help="turn a DFlash drafter into a DFlow drafter with a zero-init relay")
+    c.add_argument("--from-dflash", required=True, metavar="DIR")
+    c.add_argument("--out", required=True, metavar="DIR")
+    c.add_argument("--relay-hidden", type=int, default=None, help="relay MLP width (default: hidden size)")
+    c.add_argument("--seed", type=int, default=0)
+    c.set_defaults(run=cmd_convert)
     return p
 
 

@@ -37,12 +37,14 @@ class GenerateOutput:
 
 
 def prompt_tensor(prompt_ids: Sequence[int] | torch.Tensor, vocab_size: int, device: torch.device) -> torch.Tensor:
-    ids = torch.as_tensor(prompt_ids, dtype=torch.long).flatten() if len(prompt_ids) else torch.empty(0)
+    ids = torch.as_tensor(prompt_ids).flatten()
     if ids.numel() == 0:
         raise InputError("prompt_ids is empty: at least one token is needed")
-    if ids.is_floating_point() or int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise InputError(f"prompt_ids must be integer token ids, got {ids.dtype}")
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
         raise InputError(f"prompt_ids must be integers in 0..{vocab_size - 1}")
-    return ids.to(device)[None]
+    return ids.to(device=device, dtype=torch.long)[None]
 
 
 @torch.inference_mode()
@@ -70,6 +72,7 @@ def generate(target: Target, drafter: Drafter | None, prompt_ids: Sequence[int] 
     rows = torch.zeros(1, dtype=torch.long, device=device)
     target_cache = target.new_cache(1, length)
     draft_cache = drafter.new_cache(1, length) if B > 1 else None
+    relay = drafter.new_relay_buffer(1, B) if B > 1 else None
     arange = torch.arange(length, device=device)[None]
 
     t0 = time.perf_counter()
@@ -83,14 +86,16 @@ def generate(target: Target, drafter: Drafter | None, prompt_ids: Sequence[int] 
         block[0, 0] = out[-1]
         block_pos = arange[:, start:start + B]
         if B > 1:
-            block[:, 1:] = drafter.propose(target, block, block_pos, ctx_feat, ctx_pos, draft_cache, rows)
+            block[:, 1:] = drafter.propose(target, block, block_pos, ctx_feat, ctx_pos, draft_cache, rows, relay)
         logits, feat = target(block, block_pos, target_cache, rows, layer_ids)
         verified = logits.argmax(-1)
-        a = int((block[:, 1:] == verified[:, :-1]).cumprod(-1).sum())
+        a_t = (block[:, 1:] == verified[:, :-1]).cumprod(-1).sum(-1)
+        a = int(a_t[0])
         out += block[0, 1:a + 1].tolist() + [int(verified[0, a])]
         accepted.append(a + 1)
-        if B > 1:
+        if B > 1:  # carry: accepted features become context, the rest is relayed
             ctx_feat, ctx_pos = feat[:, :a + 1], block_pos[:, :a + 1]
+            relay.write(rows, feat, block, verified, a_t)
         start += a + 1
     t2 = time.perf_counter()
     out = out[:max_new_tokens]

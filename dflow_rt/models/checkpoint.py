@@ -49,7 +49,8 @@ def positive_int(cfg: dict, path: object, name: str, default: float | None = Non
     if value is None:
         raise CheckpointError(path, f"field '{name}' is missing")
     if type(value) not in (int, kind) or not 0 < value < math.inf:  # JSON true is no size
-        raise CheckpointError(path, f"field '{name}' must be a positive {kind.__name__}, got {value!r}")
+        noun = "integer" if kind is int else "number"
+        raise CheckpointError(path, f"field '{name}' must be a positive {noun}, got {value!r}")
     return kind(value)
 
 
@@ -105,7 +106,8 @@ def weight_files(directory: Path) -> list[Path]:
         return files
     pickles = sorted(p.name for p in directory.iterdir() if p.suffix in PICKLE_SUFFIXES)
     if pickles:
-        raise CheckpointError(directory / pickles[0], "not safetensors; pickled weights are never loaded")
+        raise CheckpointError(directory / pickles[0], "not a safetensors file; pickled weights "
+                                                      "are never loaded")
     raise CheckpointError(directory / "model.safetensors", f"missing (no *.safetensors and no {INDEX})")
 
 
@@ -120,7 +122,7 @@ def read_safetensors(file: Path) -> dict[str, torch.Tensor]:
         raise CheckpointError(file, f"{problem}, not a valid safetensors file ({err})") from None
 
 
-def load_weights(cls: type, config, directory: Path, dtype: torch.dtype, skip: tuple[str, ...] = ()):
+def load_weights(cls: type, config, directory: Path, dtype: torch.dtype | None, skip: tuple[str, ...] = ()):
     """Build `cls(config)` from the directory's safetensors after checking every name and shape.
 
     The module is built on the meta device and the checked tensors are assigned in, so a large
@@ -146,11 +148,13 @@ def load_weights(cls: type, config, directory: Path, dtype: torch.dtype, skip: t
             raise CheckpointError(origin[name], f"tensor '{name}' has shape {tuple(tensors[name].shape)}, "
                                                 f"expected {tuple(ref.shape)}")
         if not tensors[name].is_floating_point():
-            raise CheckpointError(origin[name], f"tensor '{name}' is {tensors[name].dtype}, not floats")
+            raise CheckpointError(origin[name], f"tensor '{name}' has dtype {tensors[name].dtype}, "
+                                                f"expected floats")
     extra = sorted(set(tensors) - set(expected) - set(skip))
     if extra:
         raise CheckpointError(origin[extra[0]], f"unexpected tensor '{extra[0]}' ({len(extra)} in all)")
-    module.load_state_dict({k: tensors[k].to(dtype) for k in expected}, strict=False, assign=True)
+    module.load_state_dict({k: tensors[k].to(dtype or tensors[k].dtype) for k in expected}, strict=False,
+                           assign=True)
     return module
 
 
@@ -209,9 +213,13 @@ def drafter_config(cfg: dict, path: object) -> DrafterConfig:
     if type(mask) is not int:
         raise CheckpointError(path, "field 'dflash_config.mask_token_id' is missing" if mask is None else
                               f"field 'dflash_config.mask_token_id' must be an integer, got {mask!r}")
+    dflow = cfg.get("dflow_config") or {}
+    if not isinstance(dflow, dict):
+        raise CheckpointError(path, f"field 'dflow_config' must be an object, got {dflow!r}")
     return DrafterConfig(
         **shared, block_size=positive_int(dflash, path, "block_size", default=cfg.get("block_size")),
         mask_token_id=mask, target_layer_ids=tuple(layer_ids), num_target_layers=num_target,
+        relay_hidden=positive_int(dflow, path, "relay_hidden") if dflow else 0,
     )
 
 
@@ -228,18 +236,23 @@ def check_fits(config: DrafterConfig, target: Target, path: Path) -> None:
                                     f"must name layers 0..{t.num_hidden_layers - 1} of the target")
     if not 0 <= config.mask_token_id < t.vocab_size:
         raise CheckpointError(path, f"field 'dflash_config.mask_token_id' {config.mask_token_id} is outside "
-                                    f"the target vocabulary 0..{t.vocab_size - 1}")
+                                    f"the target vocabulary of {t.vocab_size}")
 
 
-def load_drafter(directory: str | Path, target: Target, dtype: torch.dtype | None = None) -> Drafter:
-    """Load a z-lab-layout DFlash drafter that conditions on `target`."""
+def load_drafter(directory: str | Path, target: Target | None, dtype: torch.dtype | None = None) -> Drafter:
+    """Load a z-lab-layout DFlash drafter (a DFlow one if it has `dflow_config`) for `target`.
+
+    `target=None` skips the fit checks and keeps the file's dtype: for conversion tools only.
+    """
     directory = Path(directory)
     path, cfg = read_config(directory)
     config = drafter_config(cfg, path)
-    check_fits(config, target, path)
-    model = load_weights(Drafter, config, directory, dtype or target.lm_head.weight.dtype)
+    if target is not None:
+        check_fits(config, target, path)
+        dtype = dtype or target.lm_head.weight.dtype
+    model = load_weights(Drafter, config, directory, dtype)
     model.source = directory
-    return model.to(target.lm_head.weight.device).eval()
+    return model.to(target.lm_head.weight.device if target is not None else "cpu").eval()
 
 
 def target_hf_config(c: TargetConfig) -> dict:
@@ -250,12 +263,16 @@ def target_hf_config(c: TargetConfig) -> dict:
 
 
 def drafter_hf_config(c: DrafterConfig) -> dict:
-    return {
+    """z-lab layout; a DFlow drafter adds `dflow_config` (reference tools ignore it and `relay.*`)."""
+    cfg = {
         "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "block_size": c.block_size,
         "dflash_config": {"mask_token_id": c.mask_token_id, "target_layer_ids": list(c.target_layer_ids)},
         "num_target_layers": c.num_target_layers, **{k: getattr(c, k) for k in SHARED}, "hidden_act": "silu",
         "tie_word_embeddings": False, "torch_dtype": "float32",
     }
+    if c.relay_hidden:
+        cfg["dflow_config"] = {"relay_hidden": c.relay_hidden, "relay_input": "mask_embedding"}
+    return cfg
 
 
 def save_model(model: Target | Drafter, directory: str | Path, dtype: torch.dtype | None = None) -> Path:

@@ -9,12 +9,13 @@ Logits come from the target's `lm_head`; the drafter owns neither table.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
 
 from dflow_rt.models.layers import DecoderLayer, KVCache, RMSNorm, rope_cos_sin, rope_inv_freq
+from dflow_rt.models.relay import Relay, RelayBuffer, shift_to_slots
 
 
 def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -43,6 +44,7 @@ class DrafterConfig:
     rms_norm_eps: float = 1e-6
     attention_bias: bool = False
     max_position_embeddings: int = 4096
+    relay_hidden: int = 0  # DFlow boundary-correction MLP width; 0 = a DFlash drafter (no relay)
 
 
 class Drafter(nn.Module):
@@ -59,6 +61,8 @@ class Drafter(nn.Module):
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.register_buffer("inv_freq", rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling),
                              persistent=False)
+        self.relay = Relay(c.hidden_size, c.relay_hidden) if c.relay_hidden else None
+        self.use_relay = self.relay is not None  # switch off to ablate the relay at inference
 
     @property
     def block_size(self) -> int:
@@ -71,6 +75,17 @@ class Drafter(nn.Module):
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         c, w = self.config, self.fc.weight
         return KVCache(c.num_hidden_layers, batch, c.num_key_value_heads, max_len, c.head_dim, w.dtype, w.device)
+
+    def new_relay_buffer(self, batch: int, block_size: int | None = None) -> RelayBuffer:
+        w = self.fc.weight
+        return RelayBuffer(batch, block_size or self.block_size, w.shape[1], w.dtype, w.device)
+
+    def relay_embeddings(self, embed: nn.Embedding, buffer: RelayBuffer, rows: torch.Tensor) -> torch.Tensor:
+        """Per-slot additions [batch, B, hidden] to the block embeddings (zero where nothing is relayed)."""
+        features, valid = shift_to_slots(buffer.features[rows], buffer.accepted[rows])
+        u = self.hidden_norm(self.fc(features))
+        relay = self.relay(u, embed(buffer.bonus[rows]), embed(buffer.rejected[rows]))
+        return relay * valid[..., None].to(relay.dtype)
 
     def forward(self, block_emb: torch.Tensor, block_pos: torch.Tensor, ctx_feat: torch.Tensor,
                 ctx_pos: torch.Tensor, cache: KVCache, rows: torch.Tensor) -> torch.Tensor:
@@ -100,8 +115,28 @@ class Drafter(nn.Module):
         return self.norm(h)
 
     def propose(self, target: nn.Module, block_ids: torch.Tensor, block_pos: torch.Tensor,
-                ctx_feat: torch.Tensor, ctx_pos: torch.Tensor, cache: KVCache,
-                rows: torch.Tensor) -> torch.Tensor:
-        """Greedy drafts [batch, block - 1] for slots 1.. of `block_ids` (one denoising step)."""
-        h = self(target.embed_tokens(block_ids), block_pos, ctx_feat, ctx_pos, cache, rows)
+                ctx_feat: torch.Tensor, ctx_pos: torch.Tensor, cache: KVCache, rows: torch.Tensor,
+                relay: RelayBuffer | None = None) -> torch.Tensor:
+        """Greedy drafts [batch, block - 1] for slots 1.. of `block_ids` (one denoising step).
+
+        With a DFlow relay and a `relay` buffer holding the last verify pass, the rejected
+        suffix's features are added to the mask embeddings first.
+        """
+        emb = target.embed_tokens(block_ids)
+        if self.use_relay and relay is not None:
+            emb = emb + self.relay_embeddings(target.embed_tokens, relay, rows)
+        h = self(emb, block_pos, ctx_feat, ctx_pos, cache, rows)
         return target.lm_head(h[:, 1:]).argmax(-1)
+
+
+def with_relay(drafter: Drafter, relay_hidden: int, seed: int = 0) -> Drafter:
+    """A DFlow drafter from a DFlash one: same weights, a relay whose last projection is zero."""
+    if relay_hidden < 1:
+        raise ValueError(f"relay_hidden must be positive, got {relay_hidden}")
+    w = drafter.fc.weight
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        dflow = Drafter(replace(drafter.config, relay_hidden=relay_hidden))
+    dflow.relay.zero_init()
+    dflow.load_state_dict(drafter.state_dict(), strict=False)
+    return dflow.to(device=w.device, dtype=w.dtype).eval()

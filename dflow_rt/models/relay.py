@@ -1,0 +1,85 @@
+"""DFlow relay: the verifier's features at rejected positions, reused by the next draft.
+
+After verifying block `[x_s .. x_{s+B-1}]` with `a` drafts accepted, the target's features
+at positions `s+a+1 .. s+B-1` were computed but DFlash drops them. The target state at
+position p predicts token p+1, so the feature of p belongs to next-round slot
+`j = p - s' + 1` (`s' = s + a + 1`): slots 1..B-1-a. Those states were computed behind the
+wrong token d (the first rejected draft) rather than the bonus c, so a small MLP over
+[E(c), E(d), u] gives a per-channel scale and shift: relay = scale * LayerNorm(u) + shift,
+added to the mask embedding of that slot. The MLP's last projection starts at zero, so a
+fresh relay changes nothing and a converted DFlash drafter drafts exactly as before.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Relay(nn.Module):
+    """Boundary correction MLP; its weights live under `relay.` in DFlow checkpoints."""
+
+    def __init__(self, hidden: int, relay_hidden: int):
+        super().__init__()
+        self.fc1 = nn.Linear(3 * hidden, relay_hidden)
+        self.fc2 = nn.Linear(relay_hidden, 2 * hidden)
+
+    def zero_init(self) -> Relay:
+        nn.init.zeros_(self.fc2.weight)
+        nn.init.zeros_(self.fc2.bias)
+        return self
+
+    def forward(self, u: torch.Tensor, bonus_emb: torch.Tensor, rejected_emb: torch.Tensor) -> torch.Tensor:
+        """u [batch, slots, hidden] projected features; *_emb [batch, hidden] -> relay [batch, slots, hidden]."""
+        ctx = torch.cat([bonus_emb, rejected_emb], dim=-1)[:, None].expand(-1, u.shape[1], -1)
+        scale, shift = self.fc2(F.silu(self.fc1(torch.cat([ctx, u], dim=-1)))).chunk(2, dim=-1)
+        return scale * F.layer_norm(u, u.shape[-1:]) + shift
+
+
+def shift_to_slots(features: torch.Tensor, accepted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Move last round's verify features [batch, B, F] so row a+j lands in slot j.
+
+    `accepted` [batch] is a (drafts accepted). Returns (shifted [batch, B, F], valid [batch, B]):
+    slot j is valid for 1 <= j <= B-1-a; slot 0 and slots past the rejected suffix are not.
+    Static shapes throughout, so the same code serves the eager and the compiled round.
+    """
+    B = features.shape[1]
+    slots = torch.arange(B, device=features.device)
+    src = (accepted[:, None] + slots).clamp(max=B - 1)
+    valid = (slots >= 1) & (slots <= B - 1 - accepted[:, None])
+    shifted = torch.gather(features, 1, src[..., None].expand(-1, -1, features.shape[-1]))
+    return shifted, valid
+
+
+class RelayBuffer:
+    """Per-request store of the last verify pass, preallocated once and rewritten in place.
+
+    Holds the B verify features (accepted prefix and rejected suffix alike: the prefix is the
+    next draft's new context, the suffix its relay), the accepted count a, the bonus token c
+    and the first rejected draft d. `count == 0` (fresh request, or a fully accepted block)
+    means there is nothing to relay: `accepted == B - 1` then marks every slot invalid.
+    """
+
+    def __init__(self, batch: int, block_size: int, feature_dim: int, dtype: torch.dtype,
+                 device: torch.device | str):
+        self.features = torch.zeros(batch, block_size, feature_dim, dtype=dtype, device=device)
+        self.accepted = torch.full((batch,), block_size - 1, dtype=torch.long, device=device)
+        self.bonus = torch.zeros(batch, dtype=torch.long, device=device)
+        self.rejected = torch.zeros(batch, dtype=torch.long, device=device)
+        self.count = torch.zeros(batch, dtype=torch.long, device=device)
+
+    def write(self, rows: torch.Tensor, features: torch.Tensor, block: torch.Tensor, verified: torch.Tensor,
+              accepted: torch.Tensor) -> None:
+        """Record one verify pass: features [b, B, F], block/verified ids [b, B], accepted [b]."""
+        B = block.shape[1]
+        a = accepted[:, None]
+        self.features[rows] = features
+        self.accepted[rows] = accepted
+        self.bonus[rows] = verified.gather(1, a)[:, 0]
+        self.rejected[rows] = block.gather(1, (a + 1).clamp(max=B - 1))[:, 0]
+        self.count[rows] = B - 1 - accepted
+
+    def clear(self, rows: torch.Tensor) -> None:
+        self.count[rows] = 0
+        self.accepted[rows] = self.features.shape[1] - 1

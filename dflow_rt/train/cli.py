@@ -1,0 +1,102 @@
+"""`dflow-rt train ...`: the training pipeline's commands (tokenizer, target).
+
+`add_train_parser(subparsers)` plugs them into the main CLI; `python -m dflow_rt.train.cli ...`
+runs them standalone (also the form to launch under `torchrun`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from dflow_rt.train.settings import TARGET_DEFAULTS
+
+
+def cmd_tokenizer(args: argparse.Namespace) -> None:
+    from dflow_rt.tokenizer import train_tokenizer
+    from dflow_rt.train.data import tokenizer_sample
+
+    t0 = time.perf_counter()
+    texts = tokenizer_sample(int(args.sample_mb * 1e6))
+    tokenizer = train_tokenizer(texts, args.vocab_size)
+    out = Path(args.out)
+    tokenizer.save_pretrained(out)
+    chars = sum(map(len, texts))
+    tokens = sum(map(len, tokenizer(texts, add_special_tokens=False)["input_ids"]))
+    print(f"wrote {out}: {len(tokenizer)} tokens, {chars / tokens:.2f} characters per token on its "
+          f"{chars / 1e6:.1f} MB sample ({time.perf_counter() - t0:.0f} s)")
+
+
+def cmd_target(args: argparse.Namespace) -> None:
+    from dflow_rt.train.target import train_target
+
+    given = {k: getattr(args, k) for k in TARGET_DEFAULTS}
+    result = train_target(args.tokenizer, args.out, batch=args.batch, resume=args.resume, threads=args.threads,
+                          checkpoint_every=args.checkpoint_every, log_every=args.log_every,
+                          run_steps=args.run_steps, **given)
+    if result["finished"]:
+        print(f"wrote {args.out} after {result['step']} steps ({result['tokens'] / 1e6:.1f}M tokens)")
+    else:
+        print(f"stopped at step {result['step']}; continue with --resume")
+
+
+def _target_parser(p: argparse.ArgumentParser) -> None:
+    d = TARGET_DEFAULTS
+    p.add_argument("--tokenizer", required=True, help="directory written by `dflow-rt train tokenizer`")
+    p.add_argument("--out", required=True, help="output model directory (checkpoint/ and train_log.jsonl inside)")
+    size = p.add_argument_group("model (defaults in brackets; a resumed run keeps its own)")
+    for flag, kind, text in (("layers", int, "decoder layers"), ("hidden", int, "hidden size"),
+                             ("heads", int, "attention heads"), ("kv-heads", int, "key/value heads"),
+                             ("ffn", int, "MLP intermediate size"), ("seq-len", int, "tokens per sequence")):
+        size.add_argument(f"--{flag}", type=kind, help=f"{text} [{d[flag.replace('-', '_')]}]")
+    opt = p.add_argument_group("optimisation")
+    opt.add_argument("--batch", type=int, default=16, help="sequences per step per rank (global = x world size)")
+    opt.add_argument("--lr", type=float, help=f"peak AdamW learning rate [{d['lr']}]")
+    opt.add_argument("--min-lr-ratio", type=float, help=f"cosine floor as a fraction of --lr [{d['min_lr_ratio']}]")
+    opt.add_argument("--warmup", type=int, help=f"linear warm-up steps [{d['warmup']}]")
+    opt.add_argument("--weight-decay", type=float, help=f"[{d['weight_decay']}]")
+    opt.add_argument("--clip", type=float, help=f"gradient-norm clip [{d['clip']}]")
+    opt.add_argument("--seed", type=int, help="initialisation and data order [0]")
+    budget = opt.add_mutually_exclusive_group()
+    budget.add_argument("--steps", type=int, help="optimizer steps")
+    budget.add_argument("--minutes", type=float, help="wall-clock budget, turned into a step count after 20 steps")
+    run = p.add_argument_group("run")
+    run.add_argument("--resume", action="store_true", help="continue exactly from OUT/checkpoint")
+    run.add_argument("--threads", type=int, help="torch threads per process [cores / processes]")
+    run.add_argument("--checkpoint-every", type=int, default=500, help="steps between checkpoints [500]")
+    run.add_argument("--log-every", type=int, default=10, help="steps between train_log.jsonl records [10]")
+    run.add_argument("--run-steps", type=int, help="stop with a checkpoint after this many steps of this invocation")
+    data = p.add_argument_group("data")
+    data.add_argument("--eval-windows", type=int, help=f"held-out sequences per source [{d['eval_windows']}]")
+    data.add_argument("--math-per-epoch", type=int, help=f"plain word problems per epoch [{d['math_per_epoch']}]")
+    data.add_argument("--math-chat-per-epoch", type=int,
+                      help=f"chat-form word problems per epoch [{d['math_chat_per_epoch']}]")
+    data.add_argument("--max-files", type=int, help="use only the first N stdlib files (smoke tests)")
+    p.set_defaults(run=cmd_target)
+
+
+def add_train_parser(subparsers) -> argparse.ArgumentParser:
+    """Register `train` (with sub-commands `tokenizer` and `target`) on the main CLI's subparsers."""
+    train = subparsers.add_parser("train", help="train the tokenizer and the target")
+    sub = train.add_subparsers(dest="train_command", required=True)
+    tok = sub.add_parser("tokenizer", help="train the byte-level BPE on a sample of the training text")
+    tok.add_argument("--out", required=True)
+    tok.add_argument("--vocab-size", type=int, default=2048)
+    tok.add_argument("--sample-mb", type=float, default=3.0, help="characters of training text to learn from [3 MB]")
+    tok.set_defaults(run=cmd_tokenizer)
+    _target_parser(sub.add_parser("target", help="pretrain the target from scratch (DDP under torchrun)"))
+    return train
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="dflow-rt")
+    add_train_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["train", *(sys.argv[1:] if argv is None else argv)])
+    args.run(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

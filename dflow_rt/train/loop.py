@@ -1,0 +1,271 @@
+"""The training loop every trainer shares: DDP setup, LR schedule, checkpoints, progress and JSON log.
+
+A trainer supplies a `Task` (its batches, loss, held-out evaluation and export); this module owns
+everything that must be identical for the target and the drafters: exact resume (weights,
+optimizer, RNG, data position and step live in one checkpoint directory, swapped in atomically),
+rank 0 alone writing, Ctrl-C/SIGTERM ending with a checkpoint, and a time budget turned into a
+fixed step count early on so the run stays reproducible (`--steps` of the planned count replays it).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import signal
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, load_model, save_file, save_model
+
+CHECKPOINT = "checkpoint"
+LOG = "train_log.jsonl"
+PLAN_SKIP, PLAN_STEPS = 3, 20  # a --minutes run times steps PLAN_SKIP..PLAN_STEPS of its first invocation
+
+
+@dataclass(frozen=True)
+class Dist:
+    rank: int = 0
+    world: int = 1
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed() -> Dist:
+    """A gloo process group when launched by torchrun (WORLD_SIZE > 1), else a single process."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return Dist()
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    return Dist(dist.get_rank(), dist.get_world_size())
+
+
+def all_mean(values: list[float], d: Dist) -> list[float]:
+    """Means over ranks (one small all-reduce); identity on one process."""
+    if d.world == 1:
+        return values
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t)
+    return (t / d.world).tolist()
+
+
+def lr_at(step: int, base: float, warmup: int, total: int | None, min_ratio: float) -> float:
+    """Linear warm-up over `warmup` steps, then cosine decay to `min_ratio * base` at `total`
+    (constant until a time-budgeted run has planned its total)."""
+    if step < warmup:
+        return base * (step + 1) / warmup
+    if total is None or total <= warmup:
+        return base
+    progress = min(1.0, (step - warmup) / (total - warmup))
+    return base * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+@dataclass
+class LoopConfig:
+    out: Path
+    lr: float
+    total_steps: int | None = None  # None: plan from `minutes`
+    minutes: float | None = None
+    warmup: int = 100
+    min_lr_ratio: float = 0.1
+    clip: float = 1.0
+    checkpoint_every: int = 500
+    log_every: int = 10
+    run_steps: int | None = None  # stop (with a checkpoint) after this many steps of this invocation
+
+
+class Task(Protocol):
+    """What a trainer plugs into `run`."""
+
+    def loss(self, step: int) -> tuple[torch.Tensor, int]:
+        """Forward the next batch of this rank: (mean loss to backpropagate, tokens in it)."""
+
+    def evaluate(self) -> dict[str, float]:
+        """Held-out metrics (called on rank 0 only)."""
+
+    def state(self) -> dict:
+        """JSON-able data position."""
+
+    def load_state(self, state: dict) -> None: ...
+
+    def export(self, directory: Path) -> None:
+        """Write the usable model directory (final output, and a copy in each checkpoint)."""
+
+
+class JsonLog:
+    """Append-only JSON lines on rank 0 (a resumed run appends to the same file)."""
+
+    def __init__(self, path: Path, d: Dist):
+        self.path, self.on = path, d.main
+
+    def write(self, event: str, **fields) -> None:
+        if self.on:
+            with self.path.open("a") as fh:
+                fh.write(json.dumps({"event": event, "time": round(time.time(), 3), **fields}) + "\n")
+
+
+class StopRequest:
+    """SIGINT/SIGTERM set a flag that the loop checks between steps (a second Ctrl-C aborts)."""
+
+    def __init__(self):
+        self.flag = False
+
+    def _handle(self, signum, frame):
+        if self.flag and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.flag = True
+
+    def __enter__(self):
+        self._old = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def __exit__(self, *exc):
+        for s, h in self._old.items():
+            signal.signal(s, h)
+
+
+def _optimizer_tensors(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
+    sd = opt.state_dict()
+    tensors = {f"{i}.{k}": v.contiguous() for i, s in sd["state"].items() for k, v in s.items() if torch.is_tensor(v)}
+    scalars = {f"{i}.{k}": v for i, s in sd["state"].items() for k, v in s.items() if not torch.is_tensor(v)}
+    return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
+
+
+def _load_optimizer(opt: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+    state: dict[int, dict] = {}
+    for name, value in [*tensors.items(), *meta["scalars"].items()]:
+        i, key = name.split(".", 1)
+        state.setdefault(int(i), {})[key] = value
+    opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+
+
+def save_checkpoint(out: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, state: dict,
+                    d: Dist, task: Task) -> None:
+    """Write OUT/checkpoint (all ranks call: RNG states are gathered; rank 0 writes, then swaps it in)."""
+    rng = [torch.get_rng_state()]
+    if d.world > 1:
+        rng = [None] * d.world
+        dist.all_gather_object(rng, torch.get_rng_state())
+    if not d.main:
+        return
+    tmp, final, old = out / (CHECKPOINT + ".tmp"), out / CHECKPOINT, out / (CHECKPOINT + ".old")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_model(model, str(tmp / "weights.safetensors"))
+    tensors, meta = _optimizer_tensors(opt)
+    save_file(tensors, tmp / "optimizer.safetensors")
+    save_file({f"rank{r}": t for r, t in enumerate(rng)}, tmp / "rng.safetensors")
+    task.export(tmp / "model")
+    (tmp / "state.json").write_text(json.dumps({**state, "optimizer": meta}, indent=1) + "\n")
+    if final.exists():
+        final.rename(old)
+    tmp.rename(final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def read_state(out: Path) -> dict | None:
+    """The checkpoint's state.json (falling back to the previous one if a swap was cut short)."""
+    for name in (CHECKPOINT, CHECKPOINT + ".old"):
+        path = out / name / "state.json"
+        if path.exists():
+            return {**json.loads(path.read_text()), "_dir": str(out / name)}
+    return None
+
+
+def load_checkpoint(state: dict, model: torch.nn.Module, opt: torch.optim.Optimizer, d: Dist) -> None:
+    directory = Path(state["_dir"])
+    load_model(model, directory / "weights.safetensors")
+    _load_optimizer(opt, load_file(directory / "optimizer.safetensors"), state["optimizer"])
+    rng = load_file(directory / "rng.safetensors")
+    torch.set_rng_state(rng.get(f"rank{d.rank}", rng["rank0"]))  # a new world size reuses rank 0's
+
+
+def _progress(total: int | None, initial: int, d: Dist):
+    from tqdm import tqdm
+
+    tty = sys.stderr.isatty()
+    return tqdm(total=total, initial=initial, disable=not d.main, unit="step", dynamic_ncols=tty,
+                mininterval=0.5 if tty else 30.0, smoothing=0.05)
+
+
+def run(cfg: LoopConfig, model: torch.nn.Module, opt: torch.optim.Optimizer, task: Task, d: Dist,
+        run_info: dict, resume: dict | None = None) -> dict:
+    """Train `model` (the bare module; the task forwards through its DDP wrapper) until `total_steps`,
+    a stop request or `run_steps`. Returns the final state (step, tokens, elapsed_s, total_steps, finished)."""
+    log = JsonLog(cfg.out / LOG, d)
+    state = {"step": 0, "tokens": 0, "elapsed_s": 0.0, "total_steps": cfg.total_steps, "run": run_info}
+    if resume is not None:
+        load_checkpoint(resume, model, opt, d)
+        task.load_state(resume["data"])
+        state.update({k: resume[k] for k in ("step", "tokens", "elapsed_s", "total_steps")})
+        log.write("resume", step=state["step"])
+    else:
+        log.write("start", **run_info, world=d.world, loop={k: str(v) for k, v in asdict(cfg).items()})
+    start_step, t0 = state["step"], time.perf_counter()
+    base_elapsed, plan_t = state["elapsed_s"], None
+    bar = _progress(state["total_steps"], start_step, d)
+    window_t, window_tokens, losses = time.perf_counter(), 0, []
+    finished = state["total_steps"] is not None and state["step"] >= state["total_steps"]
+    with StopRequest() as stop:
+        while state["total_steps"] is None or state["step"] < state["total_steps"]:
+            step = state["step"]
+            lr = lr_at(step, cfg.lr, cfg.warmup, state["total_steps"], cfg.min_lr_ratio)
+            for group in opt.param_groups:
+                group["lr"] = lr
+            loss, n_tokens = task.loss(step)
+            loss.backward()
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            mean_loss, stop_votes, mean_tokens = all_mean([float(loss.detach()), float(stop.flag), n_tokens], d)
+            step_tokens = round(mean_tokens * d.world)
+            state["step"], state["tokens"] = step + 1, state["tokens"] + step_tokens
+            state["elapsed_s"] = base_elapsed + time.perf_counter() - t0
+            window_tokens += step_tokens
+            losses.append(mean_loss)
+            done_here = state["step"] - start_step
+            if state["total_steps"] is None and done_here == PLAN_SKIP:
+                plan_t = time.perf_counter()
+            if state["total_steps"] is None and done_here == PLAN_STEPS:  # every rank plans the same
+                per_step, elapsed = all_mean([(time.perf_counter() - plan_t) / (PLAN_STEPS - PLAN_SKIP),
+                                              state["elapsed_s"]], d)
+                left = cfg.minutes * 60 * 0.98 - elapsed  # 2 %: evaluations and checkpoints
+                state["total_steps"] = max(state["step"] + 1, state["step"] + int(left / per_step))
+                bar.total = state["total_steps"]
+                log.write("plan", step=state["step"], total_steps=state["total_steps"], s_per_step=per_step)
+            if state["step"] % cfg.log_every == 0 or state["step"] == state["total_steps"]:
+                rate = window_tokens / max(time.perf_counter() - window_t, 1e-9)
+                log.write("train", step=state["step"], loss=round(sum(losses) / len(losses), 5),
+                          last_loss=mean_loss, lr=lr, grad_norm=round(grad_norm, 4), tokens=state["tokens"],
+                          tokens_per_s=round(rate, 1), elapsed_s=round(state["elapsed_s"], 1))
+                window_t, window_tokens, losses = time.perf_counter(), 0, []
+                bar.set_postfix(loss=f"{mean_loss:.3f}", tok_s=f"{rate:.0f}", lr=f"{lr:.2e}", refresh=False)
+            bar.update(1)
+            finished = state["step"] == state["total_steps"]
+            halt = stop_votes > 0 or (cfg.run_steps is not None and done_here >= cfg.run_steps)
+            if finished or halt or state["step"] % cfg.checkpoint_every == 0:
+                if d.main:
+                    metrics = task.evaluate()
+                    log.write("eval", step=state["step"], **metrics)
+                    bar.write(f"step {state['step']}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+                save_checkpoint(cfg.out, model, opt, {**state, "data": task.state()}, d, task)
+                log.write("checkpoint", step=state["step"])
+                window_t = time.perf_counter()  # the next rate excludes evaluation and saving
+                window_tokens = 0
+            if finished or halt:
+                break
+    bar.close()
+    if finished and d.main:
+        task.export(cfg.out)
+    log.write("end" if finished else "stopped", step=state["step"], tokens=state["tokens"],
+              elapsed_s=round(state["elapsed_s"], 1))
+    return {**state, "finished": finished}
