@@ -52,7 +52,10 @@ class OracleDrafter:
     def new_cache(self, batch, max_len):
         return self.real.new_cache(batch, max_len)
 
-    def propose(self, target, block_ids, block_pos, ctx_feat, ctx_pos, cache, rows):
+    def new_relay_buffer(self, batch, block_size):
+        return self.real.new_relay_buffer(batch, block_size)
+
+    def propose(self, target, block_ids, block_pos, ctx_feat, ctx_pos, cache, rows, relay=None):
         first = int(block_pos[0, 1]) - self.prompt_len
         vocab = self.config.vocab_size
         drafts = []
