@@ -80,43 +80,55 @@ class Drafter(nn.Module):
         w = self.fc.weight
         return RelayBuffer(batch, block_size or self.block_size, w.shape[1], w.dtype, w.device)
 
-    def relay_embeddings(self, embed: nn.Embedding, buffer: RelayBuffer, rows: torch.Tensor) -> torch.Tensor:
+    def relay_embeddings(self, embed: nn.Embedding, buffer: RelayBuffer, rows: torch.Tensor | None) -> torch.Tensor:
         """Per-slot additions [batch, B, hidden] to the block embeddings (zero where nothing is relayed)."""
-        features, valid = shift_to_slots(buffer.features[rows], buffer.accepted[rows])
+        pick = (lambda t: t) if rows is None else (lambda t: t[rows])
+        features, valid = shift_to_slots(pick(buffer.features), pick(buffer.accepted))
         u = self.hidden_norm(self.fc(features))
-        relay = self.relay(u, embed(buffer.bonus[rows]), embed(buffer.rejected[rows]))
+        relay = self.relay(u, embed(pick(buffer.bonus)), embed(pick(buffer.rejected)))
         return relay * valid[..., None].to(relay.dtype)
 
-    def forward(self, block_emb: torch.Tensor, block_pos: torch.Tensor, ctx_feat: torch.Tensor,
-                ctx_pos: torch.Tensor, cache: KVCache, rows: torch.Tensor) -> torch.Tensor:
-        """Hidden states [batch, block, hidden] of one draft pass.
+    def write_context(self, ctx_feat: torch.Tensor, ctx_pos: torch.Tensor, cache: KVCache,
+                      rows: torch.Tensor | None) -> None:
+        """Project target features [batch, n, K*hidden] of positions `ctx_pos` into every layer's cache.
 
-        `ctx_feat` [batch, n, K*hidden] are target features of newly committed positions
-        `ctx_pos`; their projected keys/values are appended to `cache` (committed context
-        only). The block at `block_pos` sees cache positions before its first slot.
+        Context features are not transformed layer to layer: each layer applies its own
+        k/v projections to the same `hidden_norm(fc(features))`.
         """
         ctx = self.hidden_norm(self.fc(ctx_feat))
-        cos_c, sin_c = rope_cos_sin(ctx_pos, self.inv_freq, ctx.dtype)
-        cos_b, sin_b = rope_cos_sin(block_pos, self.inv_freq, block_emb.dtype)
+        cos, sin = rope_cos_sin(ctx_pos, self.inv_freq, ctx.dtype)
+        for i, layer in enumerate(self.layers):
+            k, v = layer.self_attn.key_value(ctx, cos, sin)
+            cache.write(i, rows, ctx_pos, k, v)
+
+    def forward(self, block_emb: torch.Tensor, block_pos: torch.Tensor, ctx_feat: torch.Tensor | None,
+                ctx_pos: torch.Tensor | None, cache: KVCache, rows: torch.Tensor | None) -> torch.Tensor:
+        """Hidden states [batch, block, hidden] of one draft pass.
+
+        `ctx_feat` (or None) are target features of newly committed positions `ctx_pos`,
+        appended to `cache` first (the cache holds committed context only). The block at
+        `block_pos` sees cache positions before its first slot and all of itself.
+        """
+        if ctx_feat is not None:
+            self.write_context(ctx_feat, ctx_pos, cache, rows)
+        cos, sin = rope_cos_sin(block_pos, self.inv_freq, block_emb.dtype)
+        batch, size = block_pos.shape
         committed = torch.arange(cache.max_len, device=block_pos.device) < block_pos[:, :1, None]
-        mask = torch.cat([committed.expand(-1, block_pos.shape[1], -1),
-                          committed.new_ones(block_pos.shape[0], block_pos.shape[1], block_pos.shape[1])], dim=-1)
+        mask = torch.cat([committed.expand(-1, size, -1), committed.new_ones(batch, size, size)], dim=-1)
         h = block_emb
         for i, layer in enumerate(self.layers):
             def attend(attn, x, i=i):
-                k_ctx, v_ctx = attn.key_value(ctx, cos_c, sin_c)
-                cache.write(i, rows, ctx_pos, k_ctx, v_ctx)
-                k_blk, v_blk = attn.key_value(x, cos_b, sin_b)
-                k = torch.cat([cache.k[i][rows], k_blk], dim=2)
-                v = torch.cat([cache.v[i][rows], v_blk], dim=2)
-                return attn.output(attn.query(x, cos_b, sin_b), k, v, mask)
+                k_blk, v_blk = attn.key_value(x, cos, sin)
+                k_ctx, v_ctx = cache.read(i, rows)
+                k, v = torch.cat([k_ctx, k_blk], dim=2), torch.cat([v_ctx, v_blk], dim=2)
+                return attn.output(attn.query(x, cos, sin), k, v, mask)
 
             h = layer(h, attend)
         return self.norm(h)
 
     def propose(self, target: nn.Module, block_ids: torch.Tensor, block_pos: torch.Tensor,
-                ctx_feat: torch.Tensor, ctx_pos: torch.Tensor, cache: KVCache, rows: torch.Tensor,
-                relay: RelayBuffer | None = None) -> torch.Tensor:
+                ctx_feat: torch.Tensor | None, ctx_pos: torch.Tensor | None, cache: KVCache,
+                rows: torch.Tensor | None, relay: RelayBuffer | None = None) -> torch.Tensor:
         """Greedy drafts [batch, block - 1] for slots 1.. of `block_ids` (one denoising step).
 
         With a DFlow relay and a `relay` buffer holding the last verify pass, the rejected

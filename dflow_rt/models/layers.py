@@ -128,10 +128,19 @@ class KVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.max_len = max_len
+        self.all_rows = torch.arange(batch, device=device)
 
-    def write(self, layer: int, rows: torch.Tensor, positions: torch.Tensor, k: torch.Tensor,
+    def write(self, layer: int, rows: torch.Tensor | None, positions: torch.Tensor, k: torch.Tensor,
               v: torch.Tensor) -> None:
-        """Store k/v [batch, kv_heads, seq, head_dim] of cache `rows` [batch] at `positions` [batch, seq]."""
-        idx = (rows[:, None], slice(None), positions)
+        """Store k/v [batch, kv_heads, seq, head_dim] at `positions` [batch, seq] of cache `rows`.
+
+        `rows=None` means every row in order (the static batched round).
+        """
+        idx = (self.all_rows[:, None] if rows is None else rows[:, None], slice(None), positions)
         self.k[layer][idx] = k.transpose(1, 2)
         self.v[layer][idx] = v.transpose(1, 2)
+
+    def read(self, layer: int, rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if rows is None:
+            return self.k[layer], self.v[layer]
+        return self.k[layer][rows], self.v[layer][rows]

@@ -93,7 +93,7 @@ class Target(nn.Module):
                 k, v = attn.key_value(x, cos, sin)
                 if cache is not None:
                     cache.write(i, rows, positions, k, v)
-                    k, v = cache.k[i][rows], cache.v[i][rows]
+                    k, v = cache.read(i, rows)
                 return attn.output(attn.query(x, cos, sin), k, v, mask)
 
             h = layer(h, attend)
