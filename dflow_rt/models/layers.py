@@ -140,6 +140,12 @@ class KVCache:
         self.k[layer][idx] = k.transpose(1, 2)
         self.v[layer][idx] = v.transpose(1, 2)
 
+    def view(self, n: int) -> KVCache:
+        """The first `n` rows, sharing storage (a batch bucket of the static round)."""
+        out = object.__new__(KVCache)
+        out.k, out.v, out.max_len, out.all_rows = self.k[:, :n], self.v[:, :n], self.max_len, self.all_rows[:n]
+        return out
+
     def read(self, layer: int, rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         if rows is None:
             return self.k[layer], self.v[layer]

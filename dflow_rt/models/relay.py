@@ -57,8 +57,8 @@ class RelayBuffer:
 
     Holds the B verify features (accepted prefix and rejected suffix alike: the prefix is the
     next draft's new context, the suffix its relay), the accepted count a, the bonus token c
-    and the first rejected draft d. `count == 0` (fresh request, or a fully accepted block)
-    means there is nothing to relay: `accepted == B - 1` then marks every slot invalid.
+    and the first rejected draft d. The valid relay count is B - 1 - a: a fresh request is
+    recorded as a fully accepted block, which relays nothing.
     """
 
     def __init__(self, batch: int, block_size: int, feature_dim: int, dtype: torch.dtype,
@@ -67,19 +67,24 @@ class RelayBuffer:
         self.accepted = torch.full((batch,), block_size - 1, dtype=torch.long, device=device)
         self.bonus = torch.zeros(batch, dtype=torch.long, device=device)
         self.rejected = torch.zeros(batch, dtype=torch.long, device=device)
-        self.count = torch.zeros(batch, dtype=torch.long, device=device)
 
-    def write(self, rows: torch.Tensor, features: torch.Tensor, block: torch.Tensor, verified: torch.Tensor,
+    def view(self, n: int) -> RelayBuffer:
+        """The first `n` rows, sharing storage (a batch bucket of the static round)."""
+        out = object.__new__(RelayBuffer)
+        for name, value in vars(self).items():
+            setattr(out, name, value[:n])
+        return out
+
+    def write(self, rows: torch.Tensor | None, features: torch.Tensor, block: torch.Tensor, verified: torch.Tensor,
               accepted: torch.Tensor) -> None:
-        """Record one verify pass: features [b, B, F], block/verified ids [b, B], accepted [b]."""
-        B = block.shape[1]
-        a = accepted[:, None]
-        self.features[rows] = features
-        self.accepted[rows] = accepted
-        self.bonus[rows] = verified.gather(1, a)[:, 0]
-        self.rejected[rows] = block.gather(1, (a + 1).clamp(max=B - 1))[:, 0]
-        self.count[rows] = B - 1 - accepted
+        """Record one verify pass of `rows` (None: all): features [b, B, F], ids [b, B], accepted [b]."""
+        B, a = block.shape[1], accepted[:, None]
+        idx = slice(None) if rows is None else rows
+        self.features[idx] = features
+        self.accepted[idx] = accepted
+        self.bonus[idx] = verified.gather(1, a)[:, 0]
+        self.rejected[idx] = block.gather(1, (a + 1).clamp(max=B - 1))[:, 0]
 
     def clear(self, rows: torch.Tensor) -> None:
-        self.count[rows] = 0
+        """Nothing to relay for `rows` (a request that has just been prefilled)."""
         self.accepted[rows] = self.features.shape[1] - 1

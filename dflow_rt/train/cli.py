@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+from dflow_rt.errors import DflowError
 from dflow_rt.train.settings import TARGET_DEFAULTS
 
 
@@ -94,7 +95,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dflow-rt")
     add_train_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["train", *(sys.argv[1:] if argv is None else argv)])
-    args.run(args)
+    try:
+        args.run(args)
+    except DflowError as err:  # as the main CLI reports them
+        print(f"dflow-rt: error: {err}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from dflow_rt.errors import InputError
 from dflow_rt.models.checkpoint import save_model
 from dflow_rt.models.target import Target, TargetConfig
 from dflow_rt.train import loop
@@ -108,18 +109,18 @@ def resolve_settings(given: dict, out: Path, resume: bool) -> tuple[dict, dict |
     state = loop.read_state(out)
     if not resume:
         if state is not None:
-            raise SystemExit(f"{out}/{loop.CHECKPOINT} exists: pass --resume to continue it, or choose another --out")
+            raise InputError(f"{out}/{loop.CHECKPOINT} exists: pass --resume to continue it, or choose another --out")
         settings = {k: (given.get(k) if given.get(k) is not None else v) for k, v in TARGET_DEFAULTS.items()}
         if (settings["steps"] is None) == (settings["minutes"] is None):
-            raise SystemExit("give exactly one of --steps and --minutes")
+            raise InputError("give exactly one of --steps and --minutes")
         return settings, None
     if state is None:
-        raise SystemExit(f"--resume: no checkpoint in {out}")
+        raise InputError(f"--resume: no checkpoint in {out}")
     settings = state["run"]["settings"]
     clash = [f"--{k.replace('_', '-')} {v} (checkpoint: {settings[k]})" for k, v in given.items()
              if k in settings and v is not None and v != settings[k]]
     if clash:
-        raise SystemExit("--resume keeps the checkpoint's settings; conflicting: " + ", ".join(clash))
+        raise InputError("--resume keeps the checkpoint's settings; conflicting: " + ", ".join(clash))
     return settings, state
 
 
@@ -139,7 +140,7 @@ def train_target(tokenizer_dir: str | Path, out: str | Path, batch: int = 16, re
     global_batch = state["run"]["global_batch"] if state else batch * d.world
     digest = tokenizer_digest(tokenizer_dir)
     if state and state["run"]["tokenizer_sha256"] != digest:
-        raise SystemExit(f"--tokenizer {tokenizer_dir} differs from the one the checkpoint was trained with")
+        raise InputError(f"--tokenizer {tokenizer_dir} differs from the one the checkpoint was trained with")
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = load_tokenizer(tokenizer_dir)
     s = settings

@@ -1,0 +1,46 @@
+"""One batched draft -> verify -> accept -> carry round at static shapes.
+
+Pure tensor code over a `DecodeState`: no host reads, no data-dependent shapes, no
+allocation that outlives the call, so it runs as is (eager), under
+`torch.compile(fullgraph=True)`, or inside a captured CUDA graph. The only output the host
+needs is `state.out` (tokens emitted per row).
+
+Static-shape carry: the drafter appends all B features of the last verify at positions
+`ctx_start..ctx_start+B-1`. Those past the committed prefix sit at or beyond the new
+`start`, where the drafter's mask (positions < start) hides them until a later round
+overwrites them; the same holds for rejected keys/values in the target cache.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dflow_rt.graphs.state import DecodeState
+from dflow_rt.sampling import accept, sample
+
+
+def decode_round(target, drafter, state: DecodeState, mask_token_id: int, layer_ids: tuple[int, ...]) -> None:
+    s, slots = state, state.slots
+    pos = s.start[:, None] + slots
+    block = torch.where(slots == 0, s.tokens[:, None], mask_token_id)
+    if drafter is not None:
+        ctx_pos = s.ctx_start[:, None] + slots
+        drafts = drafter.propose(target, block, pos, s.relay.features, ctx_pos, s.draft_cache, None, s.relay)
+        block = torch.cat([block[:, :1], drafts], dim=1)
+    logits, features = target(block, pos, s.target_cache, None, layer_ids)
+    verified = sample(logits, s.temperature, s.top_k, s.top_p, s.seed, pos + 1)
+    a = accept(block, verified)
+    bonus = verified.gather(1, a[:, None])
+    # Emit block[1..a] and the bonus, plus block[0] when prefill has not reported it yet.
+    committed = torch.cat([block, bonus], dim=1).scatter(1, a[:, None] + 1, bonus)
+    B = slots.shape[0]
+    skip = (~s.fresh).long()[:, None]
+    emitted = committed.gather(1, (torch.arange(B + 1, device=slots.device) + skip).clamp(max=B))
+    count = a + 1 + s.fresh.long()
+    s.out.copy_(torch.cat([count[:, None], emitted], dim=1))
+    if s.relay is not None:
+        s.relay.write(None, features, block, verified, a)
+    s.ctx_start.copy_(torch.where(s.active, s.start, s.ctx_start))
+    s.start.add_((a + 1) * s.active.long())
+    s.tokens.copy_(bonus[:, 0])
+    s.fresh.zero_()

@@ -1,0 +1,68 @@
+"""Everything the batched round reads or writes, preallocated once per Runtime.
+
+Rows are request slots. A round touches every row of its batch bucket; rows without a live
+request are padding whose results nobody reads, and whose `start` never moves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from dflow_rt.models.layers import KVCache
+from dflow_rt.models.relay import RelayBuffer
+
+
+@dataclass
+class DecodeState:
+    tokens: torch.Tensor       # [rows] block slot 0: the last token emitted (or about to be)
+    start: torch.Tensor        # [rows] absolute position of block slot 0
+    ctx_start: torch.Tensor    # [rows] position of relay.features[:, 0] (last verify's slot 0)
+    fresh: torch.Tensor        # [rows] bool: slot 0 came from prefill and is not yet reported
+    active: torch.Tensor       # [rows] bool: a live request owns the row
+    temperature: torch.Tensor  # [rows] float32; 0 = greedy
+    top_k: torch.Tensor        # [rows] long; 0 = off
+    top_p: torch.Tensor        # [rows] float32; 1 = off
+    seed: torch.Tensor         # [rows] long
+    out: torch.Tensor          # [rows, B + 2] long: count, then the tokens emitted this round
+    slots: torch.Tensor        # [B] arange, kept to avoid a per-round allocation
+    target_cache: KVCache
+    draft_cache: KVCache | None
+    relay: RelayBuffer | None
+
+    @classmethod
+    def allocate(cls, target, drafter, rows: int, max_len: int, block_size: int) -> DecodeState:
+        dev = target.lm_head.weight.device
+
+        def zeros(*shape, dtype=torch.long):
+            return torch.zeros(shape, dtype=dtype, device=dev)
+
+        return cls(
+            tokens=zeros(rows), start=zeros(rows), ctx_start=zeros(rows), fresh=zeros(rows, dtype=torch.bool),
+            active=zeros(rows, dtype=torch.bool), temperature=zeros(rows, dtype=torch.float32), top_k=zeros(rows),
+            top_p=torch.ones(rows, device=dev), seed=zeros(rows), out=zeros(rows, block_size + 2),
+            slots=torch.arange(block_size, device=dev), target_cache=target.new_cache(rows, max_len),
+            draft_cache=drafter.new_cache(rows, max_len) if drafter is not None else None,
+            relay=drafter.new_relay_buffer(rows, block_size) if drafter is not None else None,
+        )
+
+    def view(self, n: int) -> DecodeState:
+        """The first `n` rows, sharing storage: the state of one batch bucket."""
+        parts = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            parts[f.name] = value if f.name == "slots" or value is None else (
+                value[:n] if isinstance(value, torch.Tensor) else value.view(n))
+        return DecodeState(**parts)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every persistent buffer (for checks that storage never moves)."""
+        out = []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, torch.Tensor):
+                out.append(value)
+            elif value is not None:
+                out += [t for t in vars(value).values() if isinstance(t, torch.Tensor)]
+        return out

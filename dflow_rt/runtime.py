@@ -1,0 +1,167 @@
+"""Runtime: continuous batching of speculative decoding, one round per `step()`.
+
+All device state is preallocated (`DecodeState`); a step admits waiting requests into free
+rows (prefill writes only its own row), runs one static round for the smallest batch bucket
+covering the live rows, and copies one small tensor to the host: the tokens emitted.
+"""
+
+from __future__ import annotations
+
+import bisect
+import random
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from dflow_rt.config import BACKENDS, RuntimeConfig
+from dflow_rt.errors import InputError
+from dflow_rt.graphs.runner import build_rounds
+from dflow_rt.graphs.state import DecodeState
+from dflow_rt.round import prompt_tensor
+from dflow_rt.sampling import sample
+
+
+@dataclass
+class Request:
+    rid: int
+    prompt: torch.Tensor
+    max_new_tokens: int
+    stop: frozenset[int]
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    row: int = -1
+    emitted: list[int] = field(default_factory=list)
+    finished: bool = False
+
+
+class Runtime:
+    def __init__(self, target, drafter=None, config: RuntimeConfig | None = None):
+        self.config = c = config or RuntimeConfig()
+        if c.backend not in BACKENDS:
+            raise InputError(f"backend must be one of {', '.join(BACKENDS)}, got {c.backend!r}")
+        if c.backend == "cudagraph" and target.lm_head.weight.device.type != "cuda":
+            raise InputError("backend 'cudagraph' needs the models on a CUDA device")
+        self.target, self.drafter = target, drafter
+        self.block_size = 1 if drafter is None else (c.block_size or drafter.block_size)
+        self.layer_ids = drafter.target_layer_ids if drafter is not None else ()
+        self.buckets = c.buckets()
+        self.state = DecodeState.allocate(target, drafter, c.max_batch, c.max_len, self.block_size)
+        mask_id = drafter.config.mask_token_id if drafter is not None else 0
+        with torch.inference_mode():
+            self.rounds = build_rounds(target, drafter, self.state, self.buckets, c.backend, mask_id, self.layer_ids,
+                                       c.compile_backend)
+        self.waiting: deque[Request] = deque()
+        self.rows: list[Request | None] = [None] * c.max_batch
+        self.requests: dict[int, Request] = {}
+        self._next_rid = 0
+
+    def add_request(self, prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int = 256,
+                    temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                    stop_token_ids: Sequence[int] = (), seed: int | None = None) -> int:
+        """Queue a request; it joins the batch at the next `step()` with a free row."""
+        prompt = prompt_tensor(prompt_ids, self.target.config.vocab_size, self.state.tokens.device)[0]
+        need = prompt.numel() + max_new_tokens + self.block_size
+        if max_new_tokens < 1 or need > self.config.max_len:
+            raise InputError(f"prompt of {prompt.numel()} tokens + max_new_tokens {max_new_tokens} + block "
+                             f"{self.block_size} does not fit max_len {self.config.max_len}")
+        if temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
+            raise InputError(f"need temperature >= 0, top_k >= 0, 0 < top_p <= 1; got {temperature}, {top_k}, {top_p}")
+        rid, self._next_rid = self._next_rid, self._next_rid + 1
+        seed = random.getrandbits(62) if seed is None else seed
+        self.requests[rid] = req = Request(rid, prompt, max_new_tokens, frozenset(stop_token_ids), temperature,
+                                           top_k, top_p, seed)
+        self.waiting.append(req)
+        return rid
+
+    def is_finished(self, rid: int) -> bool:
+        return self.requests[rid].finished
+
+    def cancel(self, rid: int) -> None:
+        req = self.requests[rid]
+        if req in self.waiting:
+            self.waiting.remove(req)
+        self._finish(req)
+
+    @torch.inference_mode()
+    def step(self) -> dict[int, list[int]]:
+        """One round for every live request: {rid: tokens emitted by this round}."""
+        self._admit()
+        live = [r for r in self.rows if r is not None]
+        if not live:
+            return {}
+        n = self.buckets[bisect.bisect_left(self.buckets, max(r.row for r in live) + 1)]
+        self.rounds[n]()
+        out = self.state.out[:n].tolist()  # the one host read of the round
+        result = {}
+        for req in live:
+            tokens = out[req.row][1:1 + out[req.row][0]][: req.max_new_tokens - len(req.emitted)]
+            for i, tok in enumerate(tokens):
+                if tok in req.stop:
+                    tokens = tokens[:i + 1]
+                    req.finished = True
+                    break
+            req.emitted += tokens
+            result[req.rid] = tokens
+            if req.finished or len(req.emitted) >= req.max_new_tokens:
+                self._finish(req)
+        return result
+
+    def stream(self, prompt_ids, **kwargs) -> Iterator[list[int]]:
+        """Tokens of one request as each round produces them (other requests keep stepping)."""
+        rid = self.add_request(prompt_ids, **kwargs)
+        while not self.is_finished(rid):
+            tokens = self.step().get(rid)
+            if tokens:
+                yield tokens
+
+    def generate(self, prompts: Sequence[Sequence[int]], **kwargs) -> list[list[int]]:
+        rids = [self.add_request(p, **kwargs) for p in prompts]
+        while not all(self.is_finished(r) for r in rids):
+            self.step()
+        return [self.requests[r].emitted for r in rids]
+
+    def _finish(self, req: Request) -> None:
+        req.finished = True
+        if req.row >= 0:
+            self.state.active[req.row] = False
+            self.rows[req.row], req.row = None, -1
+
+    def _admit(self) -> None:
+        admitted = []
+        while self.waiting and None in self.rows:
+            req = self.waiting.popleft()
+            req.row = self.rows.index(None)
+            self.rows[req.row] = req
+            admitted.append(req)
+        by_length: dict[int, list[Request]] = {}
+        for req in admitted:
+            by_length.setdefault(req.prompt.numel(), []).append(req)
+        for group in by_length.values():
+            self._prefill(group)
+
+    def _prefill(self, group: list[Request]) -> None:
+        """Prompts of equal length through the target, writing only their own rows.
+
+        The first token is sampled on the device and reported by the next round's output.
+        """
+        s, P, dev = self.state, group[0].prompt.numel(), self.state.tokens.device
+        rows = torch.tensor([r.row for r in group], device=dev)
+        for name in ("temperature", "top_k", "top_p", "seed"):
+            getattr(s, name)[rows] = torch.tensor([getattr(r, name) for r in group], device=dev,
+                                                  dtype=getattr(s, name).dtype)
+        pos = torch.arange(P, device=dev).expand(len(group), P)
+        ids = torch.stack([r.prompt for r in group])
+        logits, features = self.target(ids, pos, s.target_cache, rows, self.layer_ids, logits_from=P - 1)
+        if self.drafter is not None:
+            self.drafter.write_context(features, pos, s.draft_cache, rows)
+            s.relay.clear(rows)
+        first = sample(logits, s.temperature[rows], s.top_k[rows], s.top_p[rows], s.seed[rows], pos[:, -1:] + 1)
+        s.tokens[rows] = first[:, 0]
+        s.start[rows] = P
+        s.ctx_start[rows] = P
+        s.fresh[rows] = True
+        s.active[rows] = True

@@ -1,0 +1,59 @@
+"""Token choice for verification: greedy, or lossless sampling with temperature/top-k/top-p.
+
+The drafter proposes argmax tokens, a point mass on each draft d. Speculative sampling then
+accepts d with probability p(d) and, on rejection, samples from p with d removed. Drawing
+y ~ p at every block position and accepting while y == d is the same law, and it makes the
+round identical in code to greedy verification (y = argmax p).
+
+Randomness is counter-based: the uniform for the token at absolute position `pos` of a
+request is a hash of (seed, pos). No generator state lives on the device, batch membership
+cannot change a request's draws, and a request decodes exactly the tokens that plain
+autoregressive sampling with the same seed would.
+"""
+
+from __future__ import annotations
+
+import torch
+
+MASK32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (xor-shift-multiply), computed in int64 and truncated."""
+    x = x & MASK32
+    x = ((x ^ (x >> 16)) * 0x7FEB352D) & MASK32
+    x = ((x ^ (x >> 15)) * 0x846CA68B) & MASK32
+    return x ^ (x >> 16)
+
+
+def uniform(seed: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Uniforms in (0, 1) [batch, n] for request `seed` [batch] at token `positions` [batch, n]."""
+    x = _mix32(_mix32(positions + 0x9E3779B9) ^ _mix32(seed[:, None]) ^ (seed[:, None] >> 32))
+    return (x.double() + 0.5) / 2.0**32
+
+
+def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+           seed: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Tokens [batch, n] for logits [batch, n, vocab]; rows with temperature 0 take the argmax.
+
+    `positions` are those of the tokens being chosen (one past the logits' own positions).
+    top_k = 0 and top_p = 1 disable those filters. All shapes are static: rows are filtered
+    with masks, not by slicing, so the same code runs inside a captured graph.
+    """
+    greedy = logits.argmax(-1)
+    t = temperature.clamp(min=1e-6)[:, None, None]
+    probs, order = torch.sort(torch.softmax(logits.float() / t, dim=-1), dim=-1, descending=True)
+    rank = torch.arange(logits.shape[-1], device=logits.device)
+    before = probs.cumsum(-1) - probs  # mass ranked strictly above each token
+    keep = (rank < torch.where(top_k > 0, top_k, logits.shape[-1])[:, None, None]) & (
+        (before < top_p[:, None, None]) | (rank == 0))
+    cdf = (probs * keep).cumsum(-1)
+    u = uniform(seed, positions)[..., None] * cdf[..., -1:].double()
+    picked = (cdf.double() < u).sum(-1, keepdim=True).clamp(max=logits.shape[-1] - 1)
+    sampled = order.gather(-1, picked)[..., 0]
+    return torch.where(temperature[:, None] > 0, sampled, greedy)
+
+
+def accept(block: torch.Tensor, verified: torch.Tensor) -> torch.Tensor:
+    """Drafts accepted [batch]: the number of leading slots j >= 1 with block[j] == verified[j-1]."""
+    return (block[:, 1:] == verified[:, :-1]).long().cumprod(-1).sum(-1)
