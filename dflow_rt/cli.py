@@ -83,6 +83,9 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--relay-hidden", type=int, default=None, help="relay MLP width (default: hidden size)")
     c.add_argument("--seed", type=int, default=0)
     c.set_defaults(run=cmd_convert)
+    from dflow_rt.train.cli import add_train_parser
+
+    add_train_parser(sub)
     return p
 
 

@@ -1,0 +1,133 @@
+"""Runtime.step(): every backend emits the reference round's tokens; static state; sampling."""
+
+import json
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import dflow_rt
+from dflow_rt.config import RuntimeConfig
+from dflow_rt.models.drafter import with_relay
+from dflow_rt.runtime import Runtime
+from tests.conftest import FIXTURES
+
+CASES = json.loads((FIXTURES / "rounds.json").read_text())["cases"]
+
+
+def per_round(rt: Runtime, prompts, max_new_tokens):
+    """Run to completion; per request, the list of token counts each step emitted."""
+    rids = [rt.add_request(p, max_new_tokens=max_new_tokens) for p in prompts]
+    counts = {r: [] for r in rids}
+    while not all(rt.is_finished(r) for r in rids):
+        for rid, toks in rt.step().items():
+            counts[rid].append(len(toks))
+    return [rt.requests[r].emitted for r in rids], [counts[r] for r in rids]
+
+
+def reference_counts(out):
+    """Tokens per round as the Runtime reports them: the first round also carries the prefill token."""
+    counts = list(out.acceptance_lengths)
+    counts[0] += 1
+    extra = sum(counts) - len(out.token_ids)
+    counts[-1] -= extra  # the last round may be cut by max_new_tokens
+    return counts
+
+
+@pytest.mark.parametrize("backend", ["eager", "compile"])
+def test_backends_match_reference_round(reference_pair, backend):
+    target, drafter = reference_pair
+    rt = Runtime(target, drafter, RuntimeConfig(max_batch=4, max_len=160, backend=backend,
+                                                compile_backend="aot_eager"))
+    outs, counts = per_round(rt, [c["prompt_ids"] for c in CASES], 64)
+    for case, out, cnt in zip(CASES, outs, counts, strict=True):
+        ref = dflow_rt.generate(target, drafter, case["prompt_ids"], max_new_tokens=64)
+        assert out == ref.token_ids == case["output_ids"]
+        assert cnt == reference_counts(ref)
+
+
+def test_dflow_relay_in_static_round_matches_reference_round(reference_pair):
+    target, parent = reference_pair
+    drafter = with_relay(parent, relay_hidden=32)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in drafter.relay.parameters():
+            p.normal_(0, 0.5)
+    rt = Runtime(target, drafter, RuntimeConfig(max_batch=2, max_len=160))
+    outs, counts = per_round(rt, [c["prompt_ids"] for c in CASES[:4]], 48)
+    for case, out, cnt in zip(CASES[:4], outs, counts, strict=True):
+        ref = dflow_rt.generate(target, drafter, case["prompt_ids"], max_new_tokens=48)
+        assert out == ref.token_ids and cnt == reference_counts(ref)
+
+
+def test_no_recompiles_and_fixed_storage_over_200_rounds(reference_pair):
+    target, drafter = reference_pair
+    counters.clear()
+    rt = Runtime(target, drafter, RuntimeConfig(max_batch=4, max_len=2048, backend="compile",
+                                                compile_backend="aot_eager"))
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs == len(rt.buckets)
+    ptrs = [t.data_ptr() for t in rt.state.tensors()]
+    rounds, sizes, accepted = 0, set(), set()
+    rid_cycle = 0
+    while rounds < 200:
+        live = [r for r in rt.rows if r is not None]
+        if len(live) < 1 + rounds % 4 or rounds % 37 == 0:  # requests join and leave all the time
+            case = CASES[rid_cycle % len(CASES)]
+            rt.add_request(case["prompt_ids"], max_new_tokens=16 + 11 * (rid_cycle % 5))
+            rid_cycle += 1
+        if rounds % 29 == 5 and live:
+            rt.cancel(live[-1].rid)
+        out = rt.step()
+        sizes.add(len(out))
+        accepted |= {len(t) for t in out.values()}
+        rounds += 1
+    assert counters["stats"]["unique_graphs"] == graphs, "a step recompiled"
+    assert [t.data_ptr() for t in rt.state.tensors()] == ptrs
+    assert len(sizes) >= 3 and len(accepted) >= 3, (sizes, accepted)
+
+
+def test_requests_join_leave_and_cancel(reference_pair):
+    target, drafter = reference_pair
+    rt = Runtime(target, drafter, RuntimeConfig(max_batch=2, max_len=160))
+    a = rt.add_request(CASES[0]["prompt_ids"], max_new_tokens=30)
+    rt.step()
+    b = rt.add_request(CASES[1]["prompt_ids"], max_new_tokens=30)
+    c = rt.add_request(CASES[2]["prompt_ids"], max_new_tokens=30)  # waits for a free row
+    rt.step()
+    assert rt.requests[c].row == -1 and not rt.is_finished(c)
+    rt.cancel(b)
+    assert rt.is_finished(b)
+    while not (rt.is_finished(a) and rt.is_finished(c)):
+        rt.step()
+    assert rt.requests[a].emitted == CASES[0]["output_ids"][:30]
+    assert rt.requests[c].emitted == CASES[2]["output_ids"][:30]
+    streamed = [t for piece in rt.stream(CASES[3]["prompt_ids"], max_new_tokens=20) for t in piece]
+    assert streamed == CASES[3]["output_ids"][:20]
+
+
+def test_stop_tokens_and_bad_requests(reference_pair):
+    target, drafter = reference_pair
+    rt = Runtime(target, drafter, RuntimeConfig(max_batch=2, max_len=128))
+    full = CASES[0]["output_ids"]
+    stop = full[10]
+    [out] = rt.generate([CASES[0]["prompt_ids"]], max_new_tokens=64, stop_token_ids=[stop])
+    assert out == full[: full.index(stop) + 1]
+    with pytest.raises(dflow_rt.InputError, match="max_len"):
+        rt.add_request([1] * 100, max_new_tokens=64)
+    with pytest.raises(dflow_rt.InputError):
+        rt.add_request([1, 2], temperature=-1)
+    with pytest.raises(dflow_rt.InputError):
+        Runtime(target, drafter, RuntimeConfig(backend="cudagraph"))
+
+
+def test_sampling_is_reproducible_and_pathwise_autoregressive(reference_pair):
+    target, drafter = reference_pair
+    spec = Runtime(target, drafter, RuntimeConfig(max_batch=4, max_len=160))
+    plain = Runtime(target, None, RuntimeConfig(max_batch=4, max_len=160))
+    prompts = [c["prompt_ids"] for c in CASES[:4]]
+    for kw in ({"temperature": 1.0}, {"temperature": 0.7, "top_k": 5}, {"temperature": 1.3, "top_p": 0.8}):
+        a = spec.generate(prompts, max_new_tokens=40, seed=11, **kw)
+        assert a == spec.generate(prompts, max_new_tokens=40, seed=11, **kw)
+        assert a == plain.generate(prompts, max_new_tokens=40, seed=11, **kw)
+        assert a != spec.generate(prompts, max_new_tokens=40, seed=12, **kw)
