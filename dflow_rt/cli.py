@@ -59,6 +59,35 @@ def cmd_convert(args: argparse.Namespace) -> None:
     print(f"wrote {out}: DFlow drafter with a zero-initialised relay (drafts exactly like its parent)")
 
 
+def cmd_bench(args: argparse.Namespace) -> None:
+    import random
+    import tempfile
+
+    import torch
+
+    from dflow_rt.bench.runtime import bench_runtime, format_table
+    from dflow_rt.models.checkpoint import load_drafter, load_target
+    from dflow_rt.models.init_random import init_random
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.target is None:
+        args.target, args.drafter = init_random(tempfile.mkdtemp(prefix="dflow-bench-"), hidden=256)
+        print(f"no --target: benchmarking random models written to {args.target.parent}")
+    target = load_target(args.target, device=device)
+    drafter = load_drafter(args.drafter, target) if args.drafter else None
+    rng = random.Random(0)
+    prompts = [[rng.randrange(target.config.vocab_size) for _ in range(32)] for _ in range(max(args.batches))]
+    backends = args.backends or (["eager", "compile"] + (["cudagraph"] if device == "cuda" else []))
+    result = bench_runtime(target, drafter, prompts, backends, args.batches, args.rounds)
+    result |= {"target": str(args.target), "drafter": str(args.drafter), "device": device}
+    print(format_table(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dflow-rt", description="Block-diffusion speculative decoding runtime.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -83,6 +112,17 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--relay-hidden", type=int, default=None, help="relay MLP width (default: hidden size)")
     c.add_argument("--seed", type=int, default=0)
     c.set_defaults(run=cmd_convert)
+    b = sub.add_parser("bench", help="benchmarks (figures for docs/RESULTS.md)")
+    b.add_argument("--suite", choices=["runtime"], default="runtime")
+    b.add_argument("--target", default=None, help="default: random models of the bundled size")
+    b.add_argument("--drafter", default=None)
+    b.add_argument("--backends", nargs="+", choices=["eager", "compile", "cudagraph"], default=None)
+    b.add_argument("--batches", nargs="+", type=int, default=[1, 4])
+    b.add_argument("--rounds", type=int, default=30)
+    b.add_argument("--threads", type=int, default=None)
+    b.add_argument("--device", default=None)
+    b.add_argument("--json", default=None, metavar="OUT")
+    b.set_defaults(run=cmd_bench)
     from dflow_rt.train.cli import add_train_parser
 
     add_train_parser(sub)

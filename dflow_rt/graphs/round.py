@@ -9,6 +9,8 @@ Static-shape carry: the drafter appends all B features of the last verify at pos
 `ctx_start..ctx_start+B-1`. Those past the committed prefix sit at or beyond the new
 `start`, where the drafter's mask (positions < start) hides them until a later round
 overwrites them; the same holds for rejected keys/values in the target cache.
+
+The round is three phases so that a benchmark can time them apart; `decode_round` chains them.
 """
 
 from __future__ import annotations
@@ -19,28 +21,43 @@ from dflow_rt.graphs.state import DecodeState
 from dflow_rt.sampling import accept, sample
 
 
-def decode_round(target, drafter, state: DecodeState, mask_token_id: int, layer_ids: tuple[int, ...]) -> None:
-    s, slots = state, state.slots
-    pos = s.start[:, None] + slots
-    block = torch.where(slots == 0, s.tokens[:, None], mask_token_id)
-    if drafter is not None:
-        ctx_pos = s.ctx_start[:, None] + slots
-        drafts = drafter.propose(target, block, pos, s.relay.features, ctx_pos, s.draft_cache, None, s.relay)
-        block = torch.cat([block[:, :1], drafts], dim=1)
+def draft(target, drafter, s: DecodeState, mask_token_id: int) -> torch.Tensor:
+    """Block ids [rows, B]: the last token, then the drafter's proposals (or masks without one)."""
+    block = torch.where(s.slots == 0, s.tokens[:, None], mask_token_id)
+    if drafter is None:
+        return block
+    pos = s.start[:, None] + s.slots
+    ctx_pos = s.ctx_start[:, None] + s.slots
+    drafts = drafter.propose(target, block, pos, s.relay.features, ctx_pos, s.draft_cache, None, s.relay)
+    return torch.cat([block[:, :1], drafts], dim=1)
+
+
+def verify(target, s: DecodeState, block: torch.Tensor, layer_ids: tuple[int, ...]):
+    """The target's choice at every block position (greedy or sampled) and its features."""
+    pos = s.start[:, None] + s.slots
     logits, features = target(block, pos, s.target_cache, None, layer_ids)
-    verified = sample(logits, s.temperature, s.top_k, s.top_p, s.seed, pos + 1)
+    return sample(logits, s.temperature, s.top_k, s.top_p, s.seed, pos + 1), features
+
+
+def commit(s: DecodeState, block: torch.Tensor, verified: torch.Tensor, features: torch.Tensor | None) -> None:
+    """Accept, write the emitted tokens to `s.out`, and carry state to the next round."""
     a = accept(block, verified)
     bonus = verified.gather(1, a[:, None])
     # Emit block[1..a] and the bonus, plus block[0] when prefill has not reported it yet.
     committed = torch.cat([block, bonus], dim=1).scatter(1, a[:, None] + 1, bonus)
-    B = slots.shape[0]
+    B = s.slots.shape[0]
     skip = (~s.fresh).long()[:, None]
-    emitted = committed.gather(1, (torch.arange(B + 1, device=slots.device) + skip).clamp(max=B))
-    count = a + 1 + s.fresh.long()
-    s.out.copy_(torch.cat([count[:, None], emitted], dim=1))
+    emitted = committed.gather(1, (torch.arange(B + 1, device=block.device) + skip).clamp(max=B))
+    s.out.copy_(torch.cat([(a + 1 + s.fresh.long())[:, None], emitted], dim=1))
     if s.relay is not None:
         s.relay.write(None, features, block, verified, a)
     s.ctx_start.copy_(torch.where(s.active, s.start, s.ctx_start))
     s.start.add_((a + 1) * s.active.long())
     s.tokens.copy_(bonus[:, 0])
     s.fresh.zero_()
+
+
+def decode_round(target, drafter, state: DecodeState, mask_token_id: int, layer_ids: tuple[int, ...]) -> None:
+    block = draft(target, drafter, state, mask_token_id)
+    verified, features = verify(target, state, block, layer_ids)
+    commit(state, block, verified, features)

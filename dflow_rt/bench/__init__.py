@@ -1,0 +1,1 @@
+"""Benchmarks (`dflow-rt bench`): rerunnable sources of every performance figure we quote."""

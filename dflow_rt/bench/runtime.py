@@ -1,0 +1,121 @@
+"""`dflow-rt bench --suite runtime`: decode speed of Runtime.step() per backend and batch size.
+
+Two passes per configuration on identical requests:
+1. end to end: `step()` wall time, split into the round itself and host work (admission
+   excluded: requests are admitted before timing starts), and tokens/s;
+2. phases: the draft, verify and accept+carry phases run (and, for compiled backends,
+   compiled) separately on a second Runtime, to show where a round's time goes.
+"""
+
+from __future__ import annotations
+
+import functools
+import platform
+import time
+
+import torch
+from tqdm import tqdm
+
+from dflow_rt.config import RuntimeConfig
+from dflow_rt.graphs import round as rnd
+from dflow_rt.runtime import Runtime
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _runtime(target, drafter, backend: str, batch: int, prompts, max_new: int) -> Runtime:
+    max_len = max(len(p) for p in prompts) + max_new + 2 * (drafter.block_size if drafter else 1)
+    rt = Runtime(target, drafter, RuntimeConfig(max_batch=batch, max_len=max_len, backend=backend,
+                                                batch_buckets=(batch,)))
+    for p in prompts[:batch]:
+        rt.add_request(p, max_new_tokens=max_new)
+    rt.step()  # admission + prefill, not timed
+    return rt
+
+
+def end_to_end(target, drafter, backend: str, batch: int, prompts, rounds: int) -> dict:
+    rt = _runtime(target, drafter, backend, batch, prompts, max_new=rounds * 20)
+    device, round_time = rt.state.tokens.device, [0.0]
+    inner = rt.rounds[batch]
+
+    def timed() -> None:
+        _sync(device)
+        t = time.perf_counter()
+        inner()
+        _sync(device)
+        round_time[0] += time.perf_counter() - t
+
+    rt.rounds[batch] = timed
+    for _ in range(3):
+        rt.step()
+    round_time[0], tokens = 0.0, 0
+    start = time.perf_counter()
+    for _ in range(rounds):
+        tokens += sum(len(t) for t in rt.step().values())
+    total = time.perf_counter() - start
+    return {"tokens_per_s": tokens / total, "round_ms": 1e3 * total / rounds,
+            "host_ms": 1e3 * (total - round_time[0]) / rounds, "host_frac": (total - round_time[0]) / total,
+            "tokens_per_round": tokens / rounds / batch}
+
+
+def phases(target, drafter, backend: str, batch: int, prompts, rounds: int) -> dict:
+    rt = _runtime(target, drafter, backend, batch, prompts, max_new=rounds * 20)
+    s, device = rt.state.view(batch), rt.state.tokens.device
+    mask_id = drafter.config.mask_token_id if drafter is not None else 0
+    fns = {"draft": functools.partial(rnd.draft, target, drafter, mask_token_id=mask_id),
+           "verify": functools.partial(rnd.verify, target, layer_ids=rt.layer_ids), "commit": rnd.commit}
+    if backend != "eager":
+        fns = {k: torch.compile(f, fullgraph=True, dynamic=False) for k, f in fns.items()}
+    spent = dict.fromkeys(fns, 0.0)
+
+    def run(timing: bool) -> None:
+        t = time.perf_counter()
+        block = fns["draft"](s)
+        _sync(device)
+        t1 = time.perf_counter()
+        verified, features = fns["verify"](s, block)
+        _sync(device)
+        t2 = time.perf_counter()
+        fns["commit"](s, block, verified, features)
+        _sync(device)
+        if timing:
+            for k, dt in zip(spent, (t1 - t, t2 - t1, time.perf_counter() - t2), strict=True):
+                spent[k] += dt
+
+    with torch.inference_mode():
+        for _ in range(3):
+            run(False)
+        for _ in range(rounds):
+            run(True)
+    return {f"{k}_ms": 1e3 * v / rounds for k, v in spent.items()}
+
+
+def bench_runtime(target, drafter, prompts: list[list[int]], backends: list[str], batches: list[int],
+                  rounds: int) -> dict:
+    """Figures for every (backend, batch) pair, plus the machine they were measured on."""
+    device = target.lm_head.weight.device
+    rows = []
+    for backend in tqdm(backends, desc="backends"):
+        for batch in batches:
+            with torch.inference_mode():
+                row = {"backend": backend, "batch": batch}
+                row |= end_to_end(target, drafter, backend, batch, prompts, rounds)
+            row |= phases(target, drafter, backend, batch, prompts, rounds)
+            rows.append(row)
+    return {"suite": "runtime", "rows": rows, "rounds": rounds,
+            "machine": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
+            or platform.machine(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "date": time.strftime("%Y-%m-%d")}
+
+
+def format_table(result: dict) -> str:
+    head = "| backend | batch | tokens/s | round ms | draft ms | verify ms | accept+carry ms | host ms | host % |"
+    lines = [head, "|" + "---|" * 9]
+    for r in result["rows"]:
+        lines.append(f"| {r['backend']} | {r['batch']} | {r['tokens_per_s']:.1f} | {r['round_ms']:.2f} | "
+                     f"{r['draft_ms']:.2f} | {r['verify_ms']:.2f} | {r['commit_ms']:.2f} | {r['host_ms']:.2f} | "
+                     f"{100 * r['host_frac']:.1f} |")
+    return "\n".join(lines)
