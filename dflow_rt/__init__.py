@@ -1,12 +1,14 @@
 """dflow-rt: block-diffusion speculative decoding (DFlash drafting, DFlow relays)."""
 
+from dflow_rt.config import RuntimeConfig
 from dflow_rt.errors import CheckpointError, DflowError, InputError
 from dflow_rt.models.checkpoint import load_drafter, load_target, save_model
 from dflow_rt.models.drafter import Drafter, DrafterConfig
 from dflow_rt.models.target import Target, TargetConfig
 from dflow_rt.round import GenerateOutput, generate
+from dflow_rt.runtime import Runtime
 
 __all__ = [
-    "CheckpointError", "DflowError", "Drafter", "DrafterConfig", "GenerateOutput", "InputError", "Target",
-    "TargetConfig", "generate", "load_drafter", "load_target", "save_model",
+    "CheckpointError", "DflowError", "Drafter", "DrafterConfig", "GenerateOutput", "InputError", "Runtime",
+    "RuntimeConfig", "Target", "TargetConfig", "generate", "load_drafter", "load_target", "save_model",
 ]
