@@ -8,6 +8,7 @@ covering the live rows, and copies one small tensor to the host: the tokens emit
 from __future__ import annotations
 
 import bisect
+import heapq
 import random
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -56,6 +57,7 @@ class Runtime:
                                        c.compile_backend)
         self.waiting: deque[Request] = deque()
         self.rows: list[Request | None] = [None] * c.max_batch
+        self.free_rows = list(range(c.max_batch))  # a heap: lowest rows first keeps buckets small
         self.requests: dict[int, Request] = {}
         self._next_rid = 0
 
@@ -128,13 +130,14 @@ class Runtime:
         req.finished = True
         if req.row >= 0:
             self.state.active[req.row] = False
+            heapq.heappush(self.free_rows, req.row)
             self.rows[req.row], req.row = None, -1
 
     def _admit(self) -> None:
         admitted = []
-        while self.waiting and None in self.rows:
+        while self.waiting and self.free_rows:
             req = self.waiting.popleft()
-            req.row = self.rows.index(None)
+            req.row = heapq.heappop(self.free_rows)
             self.rows[req.row] = req
             admitted.append(req)
         by_length: dict[int, list[Request]] = {}

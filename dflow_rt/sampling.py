@@ -37,17 +37,18 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     """Tokens [batch, n] for logits [batch, n, vocab]; rows with temperature 0 take the argmax.
 
     `positions` are those of the tokens being chosen (one past the logits' own positions).
-    top_k = 0 and top_p = 1 disable those filters. All shapes are static: rows are filtered
+    Filters apply in the usual order: temperature, top-k, then top-p on the renormalised
+    rest; top_k = 0 and top_p = 1 disable them. All shapes are static: rows are filtered
     with masks, not by slicing, so the same code runs inside a captured graph.
     """
     greedy = logits.argmax(-1)
     t = temperature.clamp(min=1e-6)[:, None, None]
     probs, order = torch.sort(torch.softmax(logits.float() / t, dim=-1), dim=-1, descending=True)
     rank = torch.arange(logits.shape[-1], device=logits.device)
+    probs = probs * (rank < torch.where(top_k > 0, top_k, logits.shape[-1])[:, None, None])
+    probs = probs / probs.sum(-1, keepdim=True)  # top-p applies to what top-k left, renormalised
     before = probs.cumsum(-1) - probs  # mass ranked strictly above each token
-    keep = (rank < torch.where(top_k > 0, top_k, logits.shape[-1])[:, None, None]) & (
-        (before < top_p[:, None, None]) | (rank == 0))
-    cdf = (probs * keep).cumsum(-1)
+    cdf = (probs * ((before < top_p[:, None, None]) | (rank == 0))).cumsum(-1)
     u = uniform(seed, positions)[..., None] * cdf[..., -1:].double()
     picked = (cdf.double() < u).sum(-1, keepdim=True).clamp(max=logits.shape[-1] - 1)
     sampled = order.gather(-1, picked)[..., 0]

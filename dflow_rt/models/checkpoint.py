@@ -75,7 +75,9 @@ def shared_fields(cfg: dict, path: object) -> dict:
     theta, scaling = rope(cfg, path)
     return dict(
         hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv,
-        head_dim=positive_int(cfg, path, "head_dim", default=max(hidden // heads, 1)),
+        # transformers' Qwen3Config defaults head_dim to 128, Llama to hidden // heads
+        head_dim=positive_int(cfg, path, "head_dim",
+                              default=128 if cfg.get("model_type") == "qwen3" else max(hidden // heads, 1)),
         intermediate_size=positive_int(cfg, path, "intermediate_size"),
         num_hidden_layers=positive_int(cfg, path, "num_hidden_layers"),
         vocab_size=positive_int(cfg, path, "vocab_size"), rope_theta=theta, rope_scaling=scaling,
