@@ -72,6 +72,8 @@ class Runtime:
                              f"{self.block_size} does not fit max_len {self.config.max_len}")
         if temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
             raise InputError(f"need temperature >= 0, top_k >= 0, 0 < top_p <= 1; got {temperature}, {top_k}, {top_p}")
+        if seed is not None and not 0 <= seed < 2**63:
+            raise InputError(f"seed must be in 0..2**63-1, got {seed}")
         rid, self._next_rid = self._next_rid, self._next_rid + 1
         seed = random.getrandbits(62) if seed is None else seed
         self.requests[rid] = req = Request(rid, prompt, max_new_tokens, frozenset(stop_token_ids), temperature,
