@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,23 +23,12 @@ from safetensors.torch import load_file
 
 import dflow_rt
 from dflow_rt import Drafter, DrafterConfig, Target, TargetConfig
+from tests.conftest import FIXTURES
 
-FIXTURES = Path(__file__).parent / "fixtures" / "dflash_reference"
 # Hypothesis' "explain" phase re-runs a failing example under a line tracer, which takes
 # minutes on torch code; a failure is still shrunk to a minimal example.
 PHASES = [p for p in Phase if p is not Phase.explain]
 GARBAGE = 1e3  # scale of the finite junk in unused cache entries: it must never be read
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """These models are tiny, so intra-op threads only add barriers; and when other processes
-    share the two cores, each barrier can wait a scheduler tick (measured: a 4-layer forward
-    took 0.5 s on 2 threads and 5 ms on 1)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 # ----------------------------------------------------------------------------------------- helpers

@@ -13,7 +13,6 @@ import json
 import tempfile
 from pathlib import Path
 
-import pytest
 import torch
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
@@ -30,17 +29,6 @@ FAMILIES = {"qwen3": (Qwen3Config, Qwen3ForCausalLM), "llama": (LlamaConfig, Lla
 # wavelengths in all three llama3 bands (< 16 kept, 16..64 smoothed, > 64 divided by 8).
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10_000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """These models are tiny, so intra-op threads only add barriers; and when other processes
-    share the two cores, each barrier can wait a scheduler tick (measured: a 4-layer forward
-    took 0.5 s on 2 threads and 5 ms on 1)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 # ----------------------------------------------------------------------------------------- helpers
