@@ -1,4 +1,4 @@
-"""`dflow-rt train ...`: the training pipeline's commands (tokenizer, target).
+"""`dflow-rt train ...`: the training pipeline's commands (tokenizer, target, regen, dflash, dflow).
 
 `add_train_parser(subparsers)` plugs them into the main CLI; `python -m dflow_rt.train.cli ...`
 runs them standalone (also the form to launch under `torchrun`).
@@ -78,9 +78,92 @@ def _target_parser(p: argparse.ArgumentParser) -> None:
     p.set_defaults(run=cmd_target)
 
 
+def cmd_regen(args: argparse.Namespace) -> None:
+    from dflow_rt.train.regen import regenerate
+
+    t0 = time.perf_counter()
+    out = regenerate(args.target, args.out, prompts=args.prompts, max_new_tokens=args.max_new_tokens, seed=args.seed,
+                     batch=args.batch, max_prompt_tokens=args.max_prompt_tokens, stop_tail=args.stop_tail,
+                     threads=args.threads)
+    print(f"wrote {out}: {args.prompts} sequences ({time.perf_counter() - t0:.0f} s)")
+
+
+def _regen_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", required=True, help="target model directory (with its tokenizer)")
+    p.add_argument("--out", required=True, help="output .safetensors file (OUT.partial holds progress; rerun resumes)")
+    p.add_argument("--prompts", type=int, default=2000, help="training prompts: 40%% code, 30%% math, 30%% chat [2000]")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="greedy tokens per prompt [256]")
+    p.add_argument("--seed", type=int, default=0, help="prompt selection [0]")
+    p.add_argument("--batch", type=int, default=16, help="prompts decoded together [16]")
+    p.add_argument("--max-prompt-tokens", type=int, default=128, help="longer prompts keep their end [128]")
+    p.add_argument("--stop-tail", type=int, default=16, help="tokens kept after the first stop token [16]")
+    p.add_argument("--threads", type=int, help="torch threads [all cores]")
+    p.set_defaults(run=cmd_regen)
+
+
+def cmd_drafter(args: argparse.Namespace) -> None:
+    from dflow_rt.train.drafter import DFLASH_DEFAULTS, DFLOW_DEFAULTS, train_drafter
+
+    names = DFLOW_DEFAULTS if args.train_command == "dflow" else DFLASH_DEFAULTS
+    given = {k: getattr(args, k) for k in names}
+    if given["target_layers"] is not None:
+        given["target_layers"] = [int(i) for i in given["target_layers"].split(",")]
+    if given["gamma"] not in (None, "auto"):
+        given["gamma"] = float(given["gamma"])
+    result = train_drafter(args.train_command, args.target, args.data, args.out, batch=args.batch, resume=args.resume,
+                           threads=args.threads, checkpoint_every=args.checkpoint_every, log_every=args.log_every,
+                           run_steps=args.run_steps, eval_prompts=args.eval_prompts,
+                           eval_max_new_tokens=args.eval_max_new_tokens, **given)
+    if result["finished"]:
+        print(f"wrote {args.out} after {result['step']} steps")
+    else:
+        print(f"stopped at step {result['step']}; continue with --resume")
+
+
+def _drafter_parser(p: argparse.ArgumentParser, dflow: bool) -> None:
+    """Defaults in brackets are DFLASH_DEFAULTS / DFLOW_DEFAULTS of dflow_rt.train.drafter."""
+    p.add_argument("--target", required=True, help="frozen target model directory")
+    p.add_argument("--data", required=True, help="sequences written by `dflow-rt train regen`")
+    p.add_argument("--out", required=True, help="output drafter directory (checkpoint/ and train_log.jsonl inside)")
+    m = p.add_argument_group("drafter (a resumed run keeps its own)")
+    if dflow:
+        m.add_argument("--init", help="start from this DFlash (converted with a zero-init relay) or DFlow "
+                       "drafter; it fixes the shape (--block-size, --layers, ... are then ignored)")
+        m.add_argument("--relay-hidden", type=int, help="relay MLP width [target hidden size]")
+        m.add_argument("--relay-lr-scale", type=float, help="relay learning rate / --lr [1.0]")
+        m.add_argument("--rounds", type=int, help="rounds unrolled per anchor [3]")
+    m.add_argument("--block-size", type=int, help="B [16]")
+    m.add_argument("--layers", type=int, help="drafter decoder layers [2]")
+    m.add_argument("--target-layers", help="comma-separated conditioning layers [build_target_layer_ids]")
+    m.add_argument("--mask-token-id", type=int, help="[the tokenizer's <|MASK|>, else vocab - 1]")
+    o = p.add_argument_group("optimisation")
+    o.add_argument("--batch", type=int, default=4, help="sequences per step per rank [4]")
+    o.add_argument("--anchors", type=int, help="anchor blocks per sequence [32]")
+    o.add_argument("--lr", type=float, help="peak AdamW learning rate [1e-3]")
+    o.add_argument("--gamma", help="loss decay exp(-(k-1)/gamma); auto: 7 for B=16, 4 for B=8 [auto]")
+    o.add_argument("--warmup", type=int, help="[50]")
+    o.add_argument("--min-lr-ratio", type=float, help="[0.1]")
+    o.add_argument("--weight-decay", type=float, help="[0.01]")
+    o.add_argument("--clip", type=float, help="[1.0]")
+    o.add_argument("--seed", type=int, help="initialisation, data order and anchors [0]")
+    o.add_argument("--eval-seqs", type=int, help="sequences at the end of --data held out for eval [16]")
+    budget = o.add_mutually_exclusive_group()
+    budget.add_argument("--steps", type=int, help="optimizer steps")
+    budget.add_argument("--minutes", type=float, help="wall-clock budget, turned into a step count after 20 steps")
+    r = p.add_argument_group("run")
+    r.add_argument("--resume", action="store_true", help="continue exactly from OUT/checkpoint")
+    r.add_argument("--threads", type=int, help="torch threads per process [cores / processes]")
+    r.add_argument("--checkpoint-every", type=int, default=500, help="steps between checkpoints [500]")
+    r.add_argument("--log-every", type=int, default=10, help="steps between train_log.jsonl records [10]")
+    r.add_argument("--run-steps", type=int, help="stop with a checkpoint after this many steps of this invocation")
+    r.add_argument("--eval-prompts", type=int, default=8, help="held-out prompts for real tau at checkpoints [8]")
+    r.add_argument("--eval-max-new-tokens", type=int, default=64, help="tokens generated per eval prompt [64]")
+    p.set_defaults(run=cmd_drafter)
+
+
 def add_train_parser(subparsers) -> argparse.ArgumentParser:
-    """Register `train` (with sub-commands `tokenizer` and `target`) on the main CLI's subparsers."""
-    train = subparsers.add_parser("train", help="train the tokenizer and the target")
+    """Register `train` (sub-commands `tokenizer`, `target`, `regen`, `dflash`, `dflow`) on the main CLI."""
+    train = subparsers.add_parser("train", help="train the tokenizer, the target and drafters")
     sub = train.add_subparsers(dest="train_command", required=True)
     tok = sub.add_parser("tokenizer", help="train the byte-level BPE on a sample of the training text")
     tok.add_argument("--out", required=True)
@@ -88,6 +171,9 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     tok.add_argument("--sample-mb", type=float, default=3.0, help="characters of training text to learn from [3 MB]")
     tok.set_defaults(run=cmd_tokenizer)
     _target_parser(sub.add_parser("target", help="pretrain the target from scratch (DDP under torchrun)"))
+    _regen_parser(sub.add_parser("regen", help="drafter training data: the target's greedy continuations"))
+    _drafter_parser(sub.add_parser("dflash", help="train a DFlash drafter (DDP under torchrun)"), dflow=False)
+    _drafter_parser(sub.add_parser("dflow", help="DFlow self-condition training of a relay drafter"), dflow=True)
     return train
 
 

@@ -24,6 +24,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from dflow_rt.errors import InputError
 from dflow_rt.models.target import Target
 from dflow_rt.train.data import heldout_chat_prompts, heldout_math_prompts, read_stdlib, stdlib_files
 from dflow_rt.train.synth import (
@@ -32,18 +33,23 @@ from dflow_rt.train.synth import (
     doc_items,
     math_train_problems,
     render_chat,
+    stable_unit,
 )
 
 KINDS = ("code", "math", "chat")
 KIND_CYCLE = (0, 1, 2, 0, 1, 2, 0, 2, 1, 0)  # 40 % code, 30 % math, 30 % chat
 
 
+def file_digest(*paths: str | Path) -> str:
+    h = hashlib.sha256()
+    for path in paths:
+        h.update(Path(path).read_bytes())
+    return h.hexdigest()[:16]
+
+
 def model_digest(directory: str | Path) -> str:
     """Hash of a model directory's config and weights: a resumed run must see the same target."""
-    h = hashlib.sha256()
-    for path in [Path(directory) / "config.json", *sorted(Path(directory).glob("*.safetensors"))]:
-        h.update(path.read_bytes())
-    return h.hexdigest()[:16]
+    return file_digest(Path(directory) / "config.json", *sorted(Path(directory).glob("*.safetensors")))
 
 
 def _chat_prompt(question: str) -> str:
@@ -75,23 +81,18 @@ def training_prompt(tokenizer, seed: int, index: int, max_prompt_tokens: int) ->
             item = r.choice([it for it in doc_items() if not it.heldout])
             text = _chat_prompt(r.choice(QUESTIONS).format(k=item.key))
         ids = tokenizer.encode(text, add_special_tokens=False)
-        if len(ids) >= 8:  # code: keep the end of the snippet, next to where the target continues
-            return kind, ids[-max_prompt_tokens:] if kind == 0 else ids[:max_prompt_tokens]
+        if len(ids) >= 8:  # too long: keep the end, next to where the target continues
+            return kind, ids[-max_prompt_tokens:]
 
 
 def heldout_prompts(tokenizer, n: int, max_prompt_tokens: int = 128) -> list[list[int]]:
     """`n` prompts from the held-out suites (chat, math in chat form, held-out stdlib files), for tau."""
     chats = [_chat_prompt(q) for q in heldout_chat_prompts()]
     maths = [_chat_prompt(q) for q in heldout_math_prompts(max(n, 1))]
-    codes = []
-    for i, rel in enumerate(stdlib_files("heldout")):
-        codes.append(_code_snippet(random.Random(f"heldout:{i}"), (rel,)))
-    texts = [t for trio in zip(codes, maths, chats) for t in trio][:n]
-    out = []
-    for i, text in enumerate(texts):
-        ids = tokenizer.encode(text, add_special_tokens=False)
-        out.append(ids[-max_prompt_tokens:] if i % 3 == 0 else ids[:max_prompt_tokens])
-    return out
+    files = stdlib_files("heldout")
+    codes = [_code_snippet(random.Random(f"heldout:{i}"), (files[i % len(files)],)) for i in range(n // 3 + 1)]
+    texts = [t for trio in zip(codes, maths, chats, strict=False) for t in trio][:n]
+    return [tokenizer.encode(text, add_special_tokens=False)[-max_prompt_tokens:] for text in texts]
 
 
 @torch.inference_mode()
@@ -204,4 +205,76 @@ def regenerate(target_dir: str | Path, out: str | Path, prompts: int = 2000, max
     bar.close()
     save_sequences(out, seqs, plens, kinds, meta)
     partial.unlink(missing_ok=True)
+    return out
+
+
+# ----------------------------------------------------------------------------------------- data
+
+def collate(seqs: Sequences, rows: list[int], anchors: int, span: int, B: int, keys: list[str]):
+    """(ids [b, L] zero-padded, lengths [b], starts [b, N], ok [b, N]) with up to `anchors` distinct random
+    anchors per row in its continuation (p >= prompt length, p + span <= length, else p + B <= length),
+    drawn from a generator seeded by the row's key alone."""
+    ids = [seqs[i] for i in rows]
+    out = torch.zeros(len(rows), max(map(len, ids)), dtype=torch.long)
+    starts, ok = torch.zeros(len(rows), anchors, dtype=torch.long), torch.zeros(len(rows), anchors, dtype=torch.bool)
+    for j, (i, seq) in enumerate(zip(rows, ids, strict=True)):
+        out[j, :len(seq)] = seq
+        lo, n = int(seqs.prompt_lens[i]), len(seq)
+        count = n - span - lo + 1 if n - span >= lo else n - B - lo + 1
+        starts[j] = lo
+        if count > 0:
+            gen = torch.Generator().manual_seed(int(stable_unit(keys[j]) * 2**62))
+            pick = torch.randperm(count, generator=gen)[:anchors]
+            starts[j, :len(pick)], ok[j, :len(pick)] = lo + pick, True
+    return out, torch.tensor([len(s) for s in ids]), starts, ok
+
+
+class AnchorBatches:
+    """Global batches of sequences: batch `index` of `epoch` (and its anchors) is the same for any world
+    size; rank r takes rows r*b..(r+1)*b. The position alone is the state, so resume is exact."""
+
+    def __init__(self, seqs: Sequences, indices: list[int], global_batch: int, anchors: int, block: int,
+                 rounds: int, seed: int, rank: int = 0, world: int = 1):
+        if global_batch % world or len(indices) < global_batch:
+            raise InputError(f"global batch {global_batch}: needs {world} equal ranks and at least that many "
+                             f"training sequences (have {len(indices)})")
+        self.seqs, self.indices, self.global_batch, self.anchors = seqs, indices, global_batch, anchors
+        self.block, self.span, self.seed, self.rank = block, block * rounds, seed, rank
+        self.per_rank = global_batch // world
+        self.epoch, self.index, self._order = 0, 0, None
+
+    def next(self):
+        if self._order is None or self._order[0] != self.epoch:
+            gen = torch.Generator().manual_seed(int(stable_unit(f"drafter:{self.seed}:{self.epoch}") * 2**62))
+            self._order = (self.epoch, torch.randperm(len(self.indices), generator=gen).tolist())
+        first = self.index * self.global_batch + self.rank * self.per_rank
+        rows = [self.indices[k] for k in self._order[1][first:first + self.per_rank]]
+        keys = [f"anchors:{self.seed}:{self.epoch}:{self.index}:{first + j}" for j in range(len(rows))]
+        batch = collate(self.seqs, rows, self.anchors, self.span, self.block, keys)
+        self.index += 1
+        if (self.index + 1) * self.global_batch > len(self.indices):  # the epoch's last partial batch is skipped
+            self.epoch, self.index = self.epoch + 1, 0
+        return batch
+
+    def state(self) -> dict:
+        return {"epoch": self.epoch, "index": self.index}
+
+    def load_state(self, state: dict) -> None:
+        self.epoch, self.index = int(state["epoch"]), int(state["index"])
+
+
+@torch.inference_mode()
+def measure_tau(target: Target, drafter, prompts: list[list[int]], max_new_tokens: int,
+                stop_ids: list[int] = ()) -> dict[str, float]:
+    """Mean acceptance length of real greedy rounds over all `prompts` (a DFlow drafter: with and without
+    its relay, the ablation that tells whether the relay helps)."""
+    from dflow_rt.round import generate
+
+    out = {}
+    for name, relay in [("tau", True), ("tau_norelay", False)][:2 if drafter.relay is not None else 1]:
+        drafter.use_relay = relay and drafter.relay is not None
+        runs = [generate(target, drafter, p, max_new_tokens, stop_token_ids=stop_ids).acceptance_lengths
+                for p in prompts]
+        out[name] = sum(map(sum, runs)) / max(sum(map(len, runs)), 1)
+    drafter.use_relay = drafter.relay is not None
     return out

@@ -1,0 +1,320 @@
+"""Drafter training: regenerated data, the DFlash objective (mask, labels), DFlow self-conditioning
+(relay inputs exactly as the inference round builds them), export, resume.
+
+Tiny budgets: the reference fixture pair for the equivalence tests, and a 4-layer d=64 random target with
+a byte-level tokenizer for the command-line runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+import dflow_rt
+from dflow_rt.models.drafter import with_relay
+from dflow_rt.models.target import Target, TargetConfig
+from dflow_rt.tokenizer import load_tokenizer, train_tokenizer
+from dflow_rt.train import data, regen
+from dflow_rt.train.cli import main
+from dflow_rt.train.drafter import (
+    DraftObjective,
+    auto_gamma,
+    block_mask,
+    draft_hidden,
+    drafter_context,
+    make_optimizer,
+    target_context,
+)
+from tests.conftest import FIXTURES
+
+CASES = json.loads((FIXTURES / "rounds.json").read_text())["cases"]
+RUN = ["--block-size", "8", "--layers", "1", "--anchors", "8", "--batch", "2", "--lr", "1e-2", "--warmup", "2",
+       "--eval-seqs", "4", "--log-every", "1", "--checkpoint-every", "100", "--eval-prompts", "0", "--threads", "1"]
+
+
+def log(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+
+
+def run_cli(argv: list[str]) -> int:
+    threads = torch.get_num_threads()
+    try:
+        return main(argv)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def sequence(case: dict, target, drafter, n: int = 64) -> torch.Tensor:
+    """A ground-truth row: prompt + the target's greedy continuation (what regen writes)."""
+    out = dflow_rt.generate(target, drafter, case["prompt_ids"], max_new_tokens=n)
+    return torch.tensor([case["prompt_ids"] + out.token_ids])
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    """A random 4-layer Qwen3 (sharp enough logits for varied greedy text) with a byte-level tokenizer."""
+    tokenizer = train_tokenizer([], vocab_size=260)
+    torch.manual_seed(0)
+    target = Target(TargetConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=10_000.0,
+                                 tie_word_embeddings=True))
+    with torch.no_grad():
+        for p in target.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.15)
+    out = dflow_rt.save_model(target, tmp_path_factory.mktemp("tiny") / "target")
+    tokenizer.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def data_file(tiny_dir) -> Path:
+    out = tiny_dir.parent / "data.safetensors"
+    assert run_cli(["regen", "--target", str(tiny_dir), "--out", str(out), "--prompts", "24", "--max-new-tokens",
+                    "56", "--max-prompt-tokens", "40", "--batch", "8", "--threads", "1"]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def dflash_run(tiny_dir, data_file) -> Path:
+    out = tiny_dir.parent / "dflash"
+    assert run_cli(["dflash", "--target", str(tiny_dir), "--data", str(data_file), "--out", str(out), *RUN,
+                    "--steps", "24", "--eval-prompts", "2", "--checkpoint-every", "12"]) == 0
+    return out
+
+
+# --------------------------------------------------------------------------- objective vs inference
+
+def test_training_forward_equals_inference_forward_and_labels_are_unshifted(reference_pair):
+    """Each anchor block of the batched training forward sees exactly the context < p that `Drafter.forward`
+    sees at inference (context <= p was a real bug), and slot k is scored against x_{p+k} (shifted labels
+    were the other): both drove tau to about 1."""
+    target, drafter = reference_pair
+    ids = sequence(CASES[0], target, drafter)
+    L, B, layer_ids = ids.shape[1], drafter.block_size, drafter.target_layer_ids
+    starts = torch.tensor([[1, 5, 29, 30, L - B]])
+    with torch.no_grad():
+        feats, _ = target_context(target, ids, layer_ids)
+        assert torch.equal(feats, target(ids, torch.arange(L)[None], layer_ids=layer_ids)[1])
+        block = torch.full((1, 5, B), drafter.config.mask_token_id)
+        block[..., 0] = ids[0, starts[0]]
+        emb = target.embed_tokens(block.flatten(1))
+        train_logits = target.lm_head(draft_hidden(drafter, drafter_context(drafter, feats), emb, starts))
+        loss, stats = DraftObjective(drafter, target, gamma=7.0)(ids, torch.tensor([L]), starts,
+                                                                  torch.ones(1, 5, dtype=torch.bool))
+    w = torch.exp(-torch.arange(B - 1) / 7.0)
+    manual = []
+    for n, p in enumerate(starts[0].tolist()):
+        cache = drafter.new_cache(1, L + B)
+        with torch.no_grad():
+            h = drafter(emb[:, n * B:(n + 1) * B], torch.arange(p, p + B)[None], feats[:, :p], torch.arange(p)[None],
+                        cache, torch.zeros(1, dtype=torch.long))
+        ref = target.lm_head(h)
+        torch.testing.assert_close(train_logits[:, n * B:(n + 1) * B], ref, atol=1e-5, rtol=1e-5)
+        ce = F.cross_entropy(ref[0, 1:], ids[0, p + 1:p + B], reduction="none")
+        manual.append((ce * w).sum() / w.sum())
+    torch.testing.assert_close(loss, torch.stack(manual).mean(), atol=1e-5, rtol=1e-5)
+    mask = block_mask(L, starts, B, causal=False)[0]
+    assert mask[B, :L].nonzero().flatten().tolist() == [0, 1, 2, 3, 4]  # anchor 5: positions 0..4 only
+    assert mask[B:2 * B, L:].sum() == B * B and mask[B:2 * B, L + 2 * B:].sum() == 0  # itself, fully; no other
+    assert stats["slots1"].sum() == 5 * (B - 1) and auto_gamma(16) == 7 and auto_gamma(8) == 4
+
+
+def test_rounds_unrolled_from_the_prompt_are_the_rounds_of_generate(reference_pair):
+    """Evaluation's tau: unrolled on prompt + greedy continuation, training rounds accept exactly what
+    `generate` accepts (all but the last round, which `generate` cuts at max_new_tokens)."""
+    target, drafter = reference_pair
+    for case in CASES:
+        out = dflow_rt.generate(target, drafter, case["prompt_ids"], max_new_tokens=64)
+        ids = torch.tensor([case["prompt_ids"] + out.token_ids])
+        trace = []
+        with torch.no_grad():
+            DraftObjective(drafter, target, 7.0)(ids, torch.tensor([ids.shape[1]]), torch.tensor([[len(
+                case["prompt_ids"])]]), torch.ones(1, 1, dtype=torch.bool), trace, rounds=1000)
+        rounds = [int(step["accepted"]) + 1 for step in trace]
+        assert rounds[:-1] == out.acceptance_lengths[:len(rounds) - 1] and len(rounds) == len(out.acceptance_lengths)
+
+
+def test_dflow_relay_inputs_match_the_inference_round(reference_pair):
+    """Unrolled from the prompt's first round, training drafts, accepts and relays exactly what
+    `dflow_rt.generate` does: same drafts, a, c (bonus), d (first rejected draft), slot mapping, relay."""
+    target, parent = reference_pair
+    drafter = with_relay(parent, relay_hidden=32, seed=0)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in drafter.relay.parameters():
+            p.normal_(0, 0.5)
+    checked = 0
+    for case in CASES:
+        seen = {"drafts": [], "relay": []}
+        propose, relay_embeddings = drafter.propose, drafter.relay_embeddings
+
+        def spy_propose(*args, seen=seen, propose=propose, **kwargs):
+            seen["drafts"].append(propose(*args, **kwargs))
+            return seen["drafts"][-1]
+
+        def spy_relay(embed, buf, rows, seen=seen, relay_embeddings=relay_embeddings):
+            seen["relay"].append((buf.accepted.clone(), buf.bonus.clone(), buf.rejected.clone(),
+                                  relay_embeddings(embed, buf, rows)))
+            return seen["relay"][-1][3]
+
+        drafter.propose, drafter.relay_embeddings = spy_propose, spy_relay
+        ids = sequence(case, target, drafter)
+        del drafter.propose, drafter.relay_embeddings
+        trace = []
+        with torch.no_grad():
+            DraftObjective(drafter, target, 7.0, rounds=3)(ids, torch.tensor([ids.shape[1]]),
+                                                           torch.tensor([[len(case["prompt_ids"])]]),
+                                                           torch.ones(1, 1, dtype=torch.bool), trace)
+        assert len(trace) == 3
+        for r, step in enumerate(trace):
+            assert torch.equal(step["drafts"][0], seen["drafts"][r]), f"round {r + 1} drafts"
+            if r == 2:
+                break
+            accepted, bonus, rejected, emb = seen["relay"][r + 1]
+            buf = step["relay"]
+            assert (buf.accepted, buf.bonus, buf.rejected) == (accepted, bonus, rejected), f"round {r + 2} a/c/d"
+            ours = drafter.relay_embeddings(target.embed_tokens, buf, None)
+            torch.testing.assert_close(ours, emb, atol=1e-4, rtol=1e-4)
+            checked += int(accepted) < drafter.block_size - 1  # a round with a rejected suffix to relay
+    assert checked >= 8
+
+
+# ---------------------------------------------------------------------------------------- data
+
+def test_regen_writes_target_greedy_continuations_of_training_prompts(tiny_dir, data_file, tmp_path):
+    seqs = regen.load_sequences(data_file)
+    tokenizer = load_tokenizer(tiny_dir)
+    target = dflow_rt.load_target(tiny_dir)
+    assert len(seqs) == 24 and set(seqs.kinds.tolist()) == {0, 1, 2}
+    texts = [tokenizer.decode(seqs[i][:int(seqs.prompt_lens[i])]) for i in range(len(seqs))]
+    for i in range(len(seqs)):
+        kind, prompt = regen.training_prompt(tokenizer, 0, i, 40)
+        assert seqs[i][:len(prompt)].tolist() == prompt and kind == seqs.kinds[i]
+    for i in (0, 1, 2):  # batched greedy == the reference round without a drafter
+        P = int(seqs.prompt_lens[i])
+        cont = dflow_rt.generate(target, None, seqs[i][:P], max_new_tokens=len(seqs[i]) - P).token_ids
+        assert seqs[i][P:].tolist() == cont
+    heldout = data.heldout_chat_prompts() + data.heldout_math_prompts(200)
+    assert not any(q in t for q in heldout for t in texts)
+    # A rerun continues from the partial file and writes the same sequences.
+    done = tmp_path / "again.safetensors"
+    regen.save_sequences(done.with_name(done.name + ".partial"), [seqs[i].tolist() for i in range(8)],
+                         seqs.prompt_lens[:8].tolist(), seqs.kinds[:8].tolist(), {**seqs.meta, "target": "x"})
+    regen.regenerate(tiny_dir, done, prompts=24, max_new_tokens=56, batch=8, max_prompt_tokens=40)
+    assert torch.equal(regen.load_sequences(done).tokens, seqs.tokens)
+
+
+def test_anchor_batches_do_not_depend_on_world_size(data_file):
+    seqs = regen.load_sequences(data_file)
+    one = regen.AnchorBatches(seqs, list(range(20)), 4, 6, 8, 1, seed=3)
+    ranks = [regen.AnchorBatches(seqs, list(range(20)), 4, 6, 8, 1, seed=3, rank=r, world=2) for r in (0, 1)]
+    for _ in range(7):  # across an epoch boundary
+        ids, lengths, starts, ok = one.next()
+        parts = [r.next() for r in ranks]
+        assert torch.equal(starts, torch.cat([p[2] for p in parts])) and torch.equal(lengths, torch.cat(
+            [p[1] for p in parts]))
+    assert one.state() == {"epoch": 1, "index": 2}
+    rows = list(range(len(seqs)))
+    ids, lengths, starts, ok = regen.collate(seqs, rows, 6, 24, 8, [str(i) for i in rows])
+    assert ok.any(1).all() and torch.equal(lengths, seqs.lengths())
+    for i in rows:  # distinct anchors in the continuation, with room for the span (else for one block)
+        mine = starts[i][ok[i]]
+        assert mine.unique().numel() == len(mine) and (mine >= seqs.prompt_lens[i]).all()
+        assert (mine + (24 if lengths[i] - 24 >= seqs.prompt_lens[i] else 8) <= lengths[i]).all()
+        assert torch.equal(ids[i, :lengths[i]], seqs[i])
+
+
+# ------------------------------------------------------------------------------------- training
+
+def test_dflash_training_lowers_loss_and_exports_a_lossless_drafter(dflash_run, tiny_dir):
+    records = log(dflash_run)
+    curve = [r["last_loss"] for r in records if r["event"] == "train"]
+    assert len(curve) == 24 and sum(curve[-4:]) / 4 < curve[0] - 2
+    draft = [r for r in records if r["event"] == "draft"]
+    assert len(draft[-1]["slot_acc"]) == 7 and {"loss1", "tau1", "eta_s", "s_per_step"} <= draft[-1].keys()
+    evals = [r for r in records if r["event"] == "eval"]
+    assert [r["step"] for r in evals] == [12, 24] and all(r["tau"] >= 1 for r in evals)
+    cfg = json.loads((dflash_run / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["block_size"] == 8 and "dflow_config" not in cfg
+    assert cfg["dflash_config"] == {"mask_token_id": 3, "target_layer_ids": [2]}  # <|MASK|>; layers(4, 1)
+    keys = set(load_file(dflash_run / "model.safetensors"))
+    assert "fc.weight" in keys and not any("embed" in k or "lm_head" in k for k in keys)
+    target = dflow_rt.load_target(tiny_dir)
+    drafter = dflow_rt.load_drafter(dflash_run, target)
+    seqs = regen.load_sequences(tiny_dir.parent / "data.safetensors")
+    for i in (20, 21, 22, 23):  # held-out rows
+        prompt = seqs[i][:int(seqs.prompt_lens[i])]
+        spec = dflow_rt.generate(target, drafter, prompt, max_new_tokens=40)
+        assert spec.token_ids == dflow_rt.generate(target, None, prompt, max_new_tokens=40).token_ids
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dflow"])
+def test_resume_gives_the_same_weights_as_an_uninterrupted_run(kind, tiny_dir, data_file, dflash_run, tmp_path):
+    extra = ["--init", str(dflash_run)] if kind == "dflow" else []
+    runs = {}
+    for name, budgets in (("straight", [[]]), ("resumed", [["--run-steps", "2"], ["--resume"]])):
+        out = tmp_path / name
+        for b in budgets:
+            args = ["--threads", "1", "--eval-prompts", "0"] if b == ["--resume"] else [*RUN, *extra, "--steps", "4"]
+            assert run_cli([kind, "--target", str(tiny_dir), "--data", str(data_file), "--out", str(out), *args,
+                            *b]) == 0
+        runs[name] = load_file(out / "model.safetensors")
+    assert log(tmp_path / "resumed")[-1]["event"] == "end"
+    assert all(torch.equal(runs["straight"][k], runs["resumed"][k]) for k in runs["straight"])
+
+
+def test_dflow_training_writes_a_loadable_dflow_drafter(tiny_dir, data_file, dflash_run, tmp_path):
+    out = tmp_path / "dflow"
+    assert run_cli(["dflow", "--target", str(tiny_dir), "--data", str(data_file), "--out", str(out), *RUN,
+                    "--init", str(dflash_run), "--relay-hidden", "24", "--steps", "2", "--eval-prompts", "2"]) == 0
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["dflow_config"]["relay_hidden"] == 24 and cfg["block_size"] == 8
+    weights, parent = load_file(out / "model.safetensors"), load_file(dflash_run / "model.safetensors")
+    assert torch.count_nonzero(weights["relay.fc2.weight"]) > 0  # trained away from the zero init
+    assert not torch.equal(weights["fc.weight"], parent["fc.weight"])
+    draft = [r for r in log(out) if r["event"] == "draft"]
+    assert {"loss1", "loss2", "loss3", "tau1", "tau2", "tau3"} <= draft[-1].keys()
+    assert {"tau", "tau_norelay"} <= next(r for r in log(out) if r["event"] == "eval").keys()
+    target = dflow_rt.load_target(tiny_dir)
+    drafter = dflow_rt.load_drafter(out, target)
+    assert drafter.relay is not None and drafter.use_relay
+    prompt = regen.load_sequences(data_file)[22][:40]
+    assert (dflow_rt.generate(target, drafter, prompt, max_new_tokens=40).token_ids ==
+            dflow_rt.generate(target, None, prompt, max_new_tokens=40).token_ids)
+    # From scratch: a fresh DFlow drafter (zero-init relay) of the requested shape.
+    scratch = tmp_path / "scratch"
+    assert run_cli(["dflow", "--target", str(tiny_dir), "--data", str(data_file), "--out", str(scratch), *RUN,
+                    "--steps", "1"]) == 0
+    assert json.loads((scratch / "config.json").read_text())["dflow_config"]["relay_hidden"] == 64
+
+
+def test_relay_learning_rate_scale(reference_pair):
+    """The shared loop sets one lr on every group; the relay's scale must still apply (0 freezes it)."""
+    target, parent = reference_pair
+    drafter = with_relay(parent, relay_hidden=8)
+    opt = make_optimizer(drafter, lr=1e-2, weight_decay=0.0, relay_lr_scale=0.0)
+    before = {k: v.clone() for k, v in drafter.state_dict().items()}
+    for p in drafter.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    after = drafter.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before if k.startswith("relay."))
+    assert not torch.equal(before["fc.weight"], after["fc.weight"])
+    assert all(g["lr"] == 1e-2 for g in opt.param_groups)
+
+
+def test_bad_invocations_are_refused(tiny_dir, data_file, dflash_run, capsys):
+    base = ["--target", str(tiny_dir), "--data", str(data_file), "--out", str(dflash_run)]
+    assert run_cli(["dflash", *base, *RUN, "--steps", "3"]) == 2  # never overwrites a checkpoint
+    assert run_cli(["dflash", *base, "--resume", "--lr", "0.5", "--threads", "1"]) == 2
+    assert run_cli(["dflow", *base, "--resume", "--threads", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "pass --resume" in err and "conflicting: --lr 0.5" in err and "holds a dflash run" in err
+    assert os.path.exists(dflash_run / "config.json")
