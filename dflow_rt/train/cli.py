@@ -43,6 +43,20 @@ def cmd_target(args: argparse.Namespace) -> None:
         print(f"stopped at step {result['step']}; continue with --resume")
 
 
+def _loop_args(p: argparse.ArgumentParser, optimisation) -> argparse._ArgumentGroup:
+    """Budget and run options of the shared training loop; returns the "run" group to extend."""
+    budget = optimisation.add_mutually_exclusive_group()
+    budget.add_argument("--steps", type=int, help="optimizer steps")
+    budget.add_argument("--minutes", type=float, help="wall-clock budget, turned into a step count after 20 steps")
+    run = p.add_argument_group("run")
+    run.add_argument("--resume", action="store_true", help="continue exactly from OUT/checkpoint")
+    run.add_argument("--threads", type=int, help="torch threads per process [cores / processes]")
+    run.add_argument("--checkpoint-every", type=int, default=500, help="steps between checkpoints [500]")
+    run.add_argument("--log-every", type=int, default=10, help="steps between train_log.jsonl records [10]")
+    run.add_argument("--run-steps", type=int, help="stop with a checkpoint after this many steps of this invocation")
+    return run
+
+
 def _target_parser(p: argparse.ArgumentParser) -> None:
     d = TARGET_DEFAULTS
     p.add_argument("--tokenizer", required=True, help="directory written by `dflow-rt train tokenizer`")
@@ -60,15 +74,7 @@ def _target_parser(p: argparse.ArgumentParser) -> None:
     opt.add_argument("--weight-decay", type=float, help=f"[{d['weight_decay']}]")
     opt.add_argument("--clip", type=float, help=f"gradient-norm clip [{d['clip']}]")
     opt.add_argument("--seed", type=int, help="initialisation and data order [0]")
-    budget = opt.add_mutually_exclusive_group()
-    budget.add_argument("--steps", type=int, help="optimizer steps")
-    budget.add_argument("--minutes", type=float, help="wall-clock budget, turned into a step count after 20 steps")
-    run = p.add_argument_group("run")
-    run.add_argument("--resume", action="store_true", help="continue exactly from OUT/checkpoint")
-    run.add_argument("--threads", type=int, help="torch threads per process [cores / processes]")
-    run.add_argument("--checkpoint-every", type=int, default=500, help="steps between checkpoints [500]")
-    run.add_argument("--log-every", type=int, default=10, help="steps between train_log.jsonl records [10]")
-    run.add_argument("--run-steps", type=int, help="stop with a checkpoint after this many steps of this invocation")
+    _loop_args(p, opt)
     data = p.add_argument_group("data")
     data.add_argument("--eval-windows", type=int, help=f"held-out sequences per source [{d['eval_windows']}]")
     data.add_argument("--math-per-epoch", type=int, help=f"plain word problems per epoch [{d['math_per_epoch']}]")
@@ -147,15 +153,7 @@ def _drafter_parser(p: argparse.ArgumentParser, dflow: bool) -> None:
     o.add_argument("--clip", type=float, help="[1.0]")
     o.add_argument("--seed", type=int, help="initialisation, data order and anchors [0]")
     o.add_argument("--eval-seqs", type=int, help="sequences at the end of --data held out for eval [16]")
-    budget = o.add_mutually_exclusive_group()
-    budget.add_argument("--steps", type=int, help="optimizer steps")
-    budget.add_argument("--minutes", type=float, help="wall-clock budget, turned into a step count after 20 steps")
-    r = p.add_argument_group("run")
-    r.add_argument("--resume", action="store_true", help="continue exactly from OUT/checkpoint")
-    r.add_argument("--threads", type=int, help="torch threads per process [cores / processes]")
-    r.add_argument("--checkpoint-every", type=int, default=500, help="steps between checkpoints [500]")
-    r.add_argument("--log-every", type=int, default=10, help="steps between train_log.jsonl records [10]")
-    r.add_argument("--run-steps", type=int, help="stop with a checkpoint after this many steps of this invocation")
+    r = _loop_args(p, o)
     r.add_argument("--eval-prompts", type=int, default=8, help="held-out prompts for real tau at checkpoints [8]")
     r.add_argument("--eval-max-new-tokens", type=int, default=64, help="tokens generated per eval prompt [64]")
     p.set_defaults(run=cmd_drafter)
