@@ -10,18 +10,13 @@ from dflow_rt.errors import DflowError
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
-    import torch
 
-    from dflow_rt.models.checkpoint import load_drafter, load_target
     from dflow_rt.round import generate
-    from dflow_rt.tokenizer import load_tokenizer, stop_token_ids
+    from dflow_rt.tokenizer import stop_token_ids
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    target = load_target(args.target, device=device)
-    drafter = load_drafter(args.drafter, target) if args.drafter else None
-    tokenizer = load_tokenizer(args.target)
+    if args.drafter is None and args.target is None:
+        args.drafter = "dflow"  # the bundled pair
+    target, drafter, tokenizer = _load_models(args)
     if args.chat:
         ids = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}],
                                             add_generation_prompt=True, tokenize=True)
@@ -41,6 +36,67 @@ def cmd_generate(args: argparse.Namespace) -> None:
         print(text)
         print(f"\ntau {stats['tau']:.2f} | decode {stats['tokens_per_s']:.1f} tokens/s | {stats['rounds']} rounds",
               file=sys.stderr if args.quiet_stats else sys.stdout)
+
+
+def _load_models(args: argparse.Namespace):
+    """(target, drafter or None, tokenizer) from --target/--drafter/--device/--threads; bundled by default."""
+    import torch
+
+    from dflow_rt.models.bundled import drafter_dir, target_dir
+    from dflow_rt.models.checkpoint import load_drafter, load_target
+    from dflow_rt.tokenizer import load_tokenizer
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    path = target_dir(args.target)
+    target = load_target(path, device=device)
+    spec = None if args.drafter == "none" else drafter_dir(args.drafter)
+    return target, load_drafter(spec, target) if spec else None, load_tokenizer(path)
+
+
+def cmd_eval_tau(args: argparse.Namespace) -> None:
+    from dflow_rt.eval.suites import SUITES, suite_prompts
+    from dflow_rt.eval.tau import measure_tau
+    from dflow_rt.tokenizer import stop_token_ids
+
+    args.drafter = args.drafter or "dflow"
+    target, drafter, tokenizer = _load_models(args)
+    if drafter is None:
+        raise DflowError("eval-tau needs a drafter")
+    drafter.use_relay = drafter.relay is not None and not args.no_relay
+    stops = tuple(stop_token_ids(tokenizer))
+    report = {"target": args.target or "bundled", "drafter": args.drafter, "relay": drafter.use_relay,
+              "temperature": args.temperature, "max_new_tokens": args.max_new_tokens, "suites": {}}
+    for suite in SUITES if args.suite == "all" else (args.suite,):
+        prompts = suite_prompts(tokenizer, suite, args.limit)
+        result = measure_tau(target, drafter, prompts, suite, args.temperature, args.max_new_tokens, stops,
+                             args.batch, progress=True)
+        report["suites"][suite] = entry = result.summary()
+        if args.diagnostics:
+            from dflow_rt.eval.diagnose import relay_diagnostics
+
+            entry["diagnostics"] = relay_diagnostics(target, drafter, prompts, args.max_new_tokens, stops)
+        if not args.json:
+            _print_tau(suite, entry)
+    if args.json:
+        print(json.dumps(report))
+
+
+def _print_tau(suite: str, e: dict) -> None:
+    print(f"{suite}: tau {e['tau']:.3f} +- {e['tau_se']:.3f} over {e['prompts']} prompts ({e['rounds']} rounds)")
+    print("  rounds emitting 1..B tokens: " + " ".join(map(str, e["histogram"])))
+    print("  slot acceptance: " + " ".join(f"{x:.2f}" for x in e["position_acceptance"]))
+    for key, value in e.get("diagnostics", {}).items():
+        print(f"  {key}: {value:.3f}" if isinstance(value, float) else f"  {key}: {value}")
+
+
+def _model_args(p: argparse.ArgumentParser, drafter_help: str) -> None:
+    p.add_argument("--target", default=None, help="HF model directory with its tokenizer [the bundled target]")
+    p.add_argument("--drafter", default=None, help=drafter_help)
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads (small models decode fastest on 1, especially on a busy machine)")
 
 
 def cmd_init_random(args: argparse.Namespace) -> None:
@@ -94,18 +150,28 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dflow-rt", description="Block-diffusion speculative decoding runtime.")
     sub = p.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="complete a prompt with speculative decoding")
-    g.add_argument("--target", required=True, help="HF model directory (config.json, safetensors, tokenizer.json)")
-    g.add_argument("--drafter", help="drafter directory; without it, plain autoregressive decoding")
+    _model_args(g, "dflash, dflow (bundled), a drafter directory, or none for plain autoregressive decoding "
+                   "[dflow without --target, else none]")
     g.add_argument("--prompt", required=True)
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--block-size", type=int, default=None, help="default: the drafter's block size")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-    g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     g.add_argument("--quiet-stats", action="store_true", help="print the statistics line to stderr")
-    g.add_argument("--threads", type=int, default=None,
-                   help="CPU threads (small models decode fastest on 1, especially on a busy machine)")
     g.set_defaults(run=cmd_generate)
+    e = sub.add_parser("eval-tau", help="acceptance length on held-out prompt suites")
+    _model_args(e, "dflash, dflow (bundled) or a drafter directory [dflow]")
+    e.add_argument("--suite", choices=["code", "math", "chat", "all"], default="all",
+                   help="code: HumanEval prompts; math: held-out word problems; chat: held-out questions [all]")
+    e.add_argument("--temperature", type=float, default=0.0, help="0 = greedy [0]")
+    e.add_argument("--limit", type=int, default=None, help="first N prompts of each suite [all]")
+    e.add_argument("--max-new-tokens", type=int, default=128)
+    e.add_argument("--batch", type=int, default=8, help="prompts decoded together (tau does not depend on it)")
+    e.add_argument("--no-relay", action="store_true", help="switch a DFlow drafter's relay off (the ablation)")
+    e.add_argument("--diagnostics", action="store_true",
+                   help="also: target accuracy at rejected positions vs drafter slot 1, relay change rates")
+    e.add_argument("--json", action="store_true", help="print one JSON object (with per-prompt tau)")
+    e.set_defaults(run=cmd_eval_tau)
     r = sub.add_parser("init-random", help="write small random target and drafter directories")
     r.add_argument("out_dir")
     r.add_argument("--seed", type=int, default=0)

@@ -19,6 +19,16 @@ from dflow_rt.models.target import Target
 
 
 @dataclass
+class RoundTrace:
+    """One round as the diagnostics see it: the block, the target's choices, drafts without the relay."""
+
+    block: list[int]
+    verified: list[int]
+    accepted: int
+    drafts_without_relay: list[int] | None
+
+
+@dataclass
 class GenerateOutput:
     token_ids: list[int]
     acceptance_lengths: list[int] = field(default_factory=list)
@@ -50,11 +60,13 @@ def prompt_tensor(prompt_ids: Sequence[int] | torch.Tensor, vocab_size: int, dev
 @torch.inference_mode()
 def generate(target: Target, drafter: Drafter | None, prompt_ids: Sequence[int] | torch.Tensor,
              max_new_tokens: int = 64, block_size: int | None = None,
-             stop_token_ids: Sequence[int] | None = None, max_len: int | None = None) -> GenerateOutput:
+             stop_token_ids: Sequence[int] | None = None, max_len: int | None = None,
+             trace: list[RoundTrace] | None = None) -> GenerateOutput:
     """Greedy speculative decoding; `drafter=None` or `block_size=1` decodes autoregressively.
 
     Emits exactly the target's own greedy continuation: `max_new_tokens` tokens, or up to
-    and including the first stop token.
+    and including the first stop token. A `trace` list receives every round (for a DFlow
+    drafter also what it would have drafted with its relay switched off).
     """
     device = target.lm_head.weight.device
     prompt = prompt_tensor(prompt_ids, target.config.vocab_size, device)
@@ -91,6 +103,9 @@ def generate(target: Target, drafter: Drafter | None, prompt_ids: Sequence[int] 
         verified = logits.argmax(-1)
         a_t = (block[:, 1:] == verified[:, :-1]).cumprod(-1).sum(-1)
         a = int(a_t[0])
+        if trace is not None:
+            trace.append(RoundTrace(block[0].tolist(), verified[0].tolist(), a, _drafts_without_relay(
+                target, drafter, block, block_pos, draft_cache, rows, relay)))
         out += block[0, 1:a + 1].tolist() + [int(verified[0, a])]
         accepted.append(a + 1)
         if B > 1:  # carry: accepted features become context, the rest is relayed
@@ -104,3 +119,16 @@ def generate(target: Target, drafter: Drafter | None, prompt_ids: Sequence[int] 
             out = out[:i + 1]
             break
     return GenerateOutput(out, accepted, t1 - t0, t2 - t1)
+
+
+def _drafts_without_relay(target, drafter, block, block_pos, cache, rows, relay) -> list[int] | None:
+    """The same draft pass with the relay off (context is already in `cache`, so none is passed)."""
+    if drafter is None or not drafter.use_relay or relay is None:
+        return None
+    masked = torch.full_like(block, drafter.config.mask_token_id)
+    masked[:, 0] = block[:, 0]
+    drafter.use_relay = False
+    try:
+        return drafter.propose(target, masked, block_pos, None, None, cache, rows, relay)[0].tolist()
+    finally:
+        drafter.use_relay = True

@@ -36,6 +36,7 @@ class Request:
     seed: int
     row: int = -1
     emitted: list[int] = field(default_factory=list)
+    acceptance: list[int] = field(default_factory=list)  # tokens per round (accepted drafts + bonus)
     finished: bool = False
 
 
@@ -102,7 +103,9 @@ class Runtime:
         out = self.state.out[:n].tolist()  # the one host read of the round
         result = {}
         for req in live:
-            tokens = out[req.row][1:1 + out[req.row][0]][: req.max_new_tokens - len(req.emitted)]
+            count = out[req.row][0]
+            req.acceptance.append(count - (0 if req.emitted else 1))  # the first round also reports prefill's token
+            tokens = out[req.row][1:1 + count][: req.max_new_tokens - len(req.emitted)]
             for i, tok in enumerate(tokens):
                 if tok in req.stop:
                     tokens = tokens[:i + 1]

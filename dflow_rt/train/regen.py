@@ -30,9 +30,9 @@ from dflow_rt.train.data import heldout_chat_prompts, heldout_math_prompts, read
 from dflow_rt.train.synth import (
     MATH_TRAIN_SEEDS,
     QUESTIONS,
+    chat_prompt,
     doc_items,
     math_train_problems,
-    render_chat,
     stable_unit,
 )
 
@@ -50,10 +50,6 @@ def file_digest(*paths: str | Path) -> str:
 def model_digest(directory: str | Path) -> str:
     """Hash of a model directory's config and weights: a resumed run must see the same target."""
     return file_digest(Path(directory) / "config.json", *sorted(Path(directory).glob("*.safetensors")))
-
-
-def _chat_prompt(question: str) -> str:
-    return render_chat([{"role": "user", "content": question}], add_generation_prompt=True)
 
 
 def _code_snippet(r: random.Random, files: tuple[str, ...]) -> str:
@@ -76,10 +72,10 @@ def training_prompt(tokenizer, seed: int, index: int, max_prompt_tokens: int) ->
             text = _code_snippet(r, stdlib_files("train"))
         elif kind == 1:
             problems = math_train_problems(r.randrange(len(MATH_TRAIN_SEEDS)), 1)  # empty if held-out
-            text = _chat_prompt(problems[0][0]) if problems else ""
+            text = chat_prompt(problems[0][0]) if problems else ""
         else:
             item = r.choice([it for it in doc_items() if not it.heldout])
-            text = _chat_prompt(r.choice(QUESTIONS).format(k=item.key))
+            text = chat_prompt(r.choice(QUESTIONS).format(k=item.key))
         ids = tokenizer.encode(text, add_special_tokens=False)
         if len(ids) >= 8:  # too long: keep the end, next to where the target continues
             return kind, ids[-max_prompt_tokens:]
@@ -87,8 +83,8 @@ def training_prompt(tokenizer, seed: int, index: int, max_prompt_tokens: int) ->
 
 def heldout_prompts(tokenizer, n: int, max_prompt_tokens: int = 128) -> list[list[int]]:
     """`n` prompts from the held-out suites (chat, math in chat form, held-out stdlib files), for tau."""
-    chats = [_chat_prompt(q) for q in heldout_chat_prompts()]
-    maths = [_chat_prompt(q) for q in heldout_math_prompts(max(n, 1))]
+    chats = [chat_prompt(q) for q in heldout_chat_prompts()]
+    maths = [chat_prompt(q) for q in heldout_math_prompts(max(n, 1))]
     files = stdlib_files("heldout")
     codes = [_code_snippet(random.Random(f"heldout:{i}"), (files[i % len(files)],)) for i in range(n // 3 + 1)]
     texts = [t for trio in zip(codes, maths, chats, strict=False) for t in trio][:n]

@@ -238,3 +238,8 @@ def _template():
 def render_chat(messages: list[dict], add_generation_prompt: bool = False) -> str:
     """The tokenizer's chat template rendered without a tokenizer (the tokenizer is trained on this text)."""
     return _template().render(messages=messages, add_generation_prompt=add_generation_prompt)
+
+
+def chat_prompt(question: str) -> str:
+    """A one-question conversation ready for the assistant's answer."""
+    return render_chat([{"role": "user", "content": question}], add_generation_prompt=True)

@@ -1,0 +1,1 @@
+"""Held-out evaluation of drafters: prompt suites, tau, and the relay diagnostics."""
