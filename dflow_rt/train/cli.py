@@ -90,7 +90,7 @@ def cmd_regen(args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     out = regenerate(args.target, args.out, prompts=args.prompts, max_new_tokens=args.max_new_tokens, seed=args.seed,
                      batch=args.batch, max_prompt_tokens=args.max_prompt_tokens, stop_tail=args.stop_tail,
-                     threads=args.threads)
+                     threads=args.threads, device=args.device)
     print(f"wrote {out}: {args.prompts} sequences ({time.perf_counter() - t0:.0f} s)")
 
 
@@ -104,6 +104,7 @@ def _regen_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-prompt-tokens", type=int, default=128, help="longer prompts keep their end [128]")
     p.add_argument("--stop-tail", type=int, default=16, help="tokens kept after the first stop token [16]")
     p.add_argument("--threads", type=int, help="torch threads [all cores]")
+    p.add_argument("--device", default="cpu", help="cpu or cuda [cpu]")
     p.set_defaults(run=cmd_regen)
 
 
@@ -119,7 +120,7 @@ def cmd_drafter(args: argparse.Namespace) -> None:
     result = train_drafter(args.train_command, args.target, args.data, args.out, batch=args.batch, resume=args.resume,
                            threads=args.threads, checkpoint_every=args.checkpoint_every, log_every=args.log_every,
                            run_steps=args.run_steps, eval_prompts=args.eval_prompts,
-                           eval_max_new_tokens=args.eval_max_new_tokens, **given)
+                           eval_max_new_tokens=args.eval_max_new_tokens, device=args.device, **given)
     if result["finished"]:
         print(f"wrote {args.out} after {result['step']} steps")
     else:
@@ -156,6 +157,7 @@ def _drafter_parser(p: argparse.ArgumentParser, dflow: bool) -> None:
     r = _loop_args(p, o)
     r.add_argument("--eval-prompts", type=int, default=8, help="held-out prompts for real tau at checkpoints [8]")
     r.add_argument("--eval-max-new-tokens", type=int, default=64, help="tokens generated per eval prompt [64]")
+    r.add_argument("--device", default="cpu", help="cpu or cuda (under torchrun: each rank's own GPU, nccl) [cpu]")
     p.set_defaults(run=cmd_drafter)
 
 

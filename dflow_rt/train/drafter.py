@@ -238,15 +238,16 @@ class DrafterTask:
 
     def __init__(self, objective: DraftObjective, forward: nn.Module, batches: AnchorBatches, eval_rows: list[int],
                  d: loop.Dist, out: Path, log_every: int, budget: dict, prompts: list, stop_ids: list[int],
-                 eval_tokens: int):
+                 eval_tokens: int, device: torch.device | str = "cpu"):
         self.objective, self.forward, self.batches, self.eval_rows, self.d = objective, forward, batches, eval_rows, d
+        self.device = device
         self.log, self.log_every, self.budget = loop.JsonLog(out / loop.LOG, d), log_every, budget
         self.prompts, self.stop_ids, self.eval_tokens = prompts, stop_ids, eval_tokens
         self.window, self.t0, self.elapsed0, self.window_t = {}, time.perf_counter(), 0.0, time.perf_counter()
 
     def loss(self, step: int) -> tuple[torch.Tensor, int]:
         """One batch; `tokens` (for tokens/s) counts supervised draft slots over all rounds."""
-        loss, stats = self.forward(*self.batches.next())
+        loss, stats = self.forward(*(t.to(self.device) for t in self.batches.next()))
         for k, v in stats.items():
             self.window[k] = self.window.get(k, 0) + v.detach().double()
         if (step + 1) % self.log_every == 0:
@@ -274,7 +275,8 @@ class DrafterTask:
         for k in range(0, len(self.eval_rows), b.per_rank):
             rows = self.eval_rows[k:k + b.per_rank]
             ids, lengths, _, _ = collate(b.seqs, rows, 1, b.block, b.block, [""] * len(rows))
-            starts = b.seqs.prompt_lens[rows].long()[:, None]
+            ids, lengths = ids.to(self.device), lengths.to(self.device)
+            starts = b.seqs.prompt_lens[rows].long()[:, None].to(self.device)
             _, stats = self.objective(ids, lengths, starts, torch.ones_like(starts, dtype=torch.bool), None, max_rounds)
             for name, v in stats.items():
                 key = name.rstrip("0123456789")
@@ -367,15 +369,16 @@ def build_drafter(kind: str, target: Target, target_dir: Path, s: dict) -> Draft
 def train_drafter(kind: str, target_dir: str | Path, data: str | Path, out: str | Path, batch: int = 4,
                   resume: bool = False, threads: int | None = None, checkpoint_every: int = 500, log_every: int = 10,
                   run_steps: int | None = None, eval_prompts: int = 8, eval_max_new_tokens: int = 64,
-                  **given) -> dict:
+                  device: str = "cpu", **given) -> dict:
     """Train (or resume) a `kind` ("dflash" or "dflow") drafter into `out`; `batch` is per rank.
     `given` holds DFLASH/DFLOW_DEFAULTS keys (None = not given). Returns the loop's final state."""
     out, target_dir = Path(out), Path(target_dir)
-    d = loop.init_distributed()
+    d = loop.init_distributed(device)
+    dev = loop.local_device(device)
     threads = threads or max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", d.world)))
     torch.set_num_threads(threads)
     settings, state = resolve_settings(kind, given, out, resume)
-    target = load_target(target_dir).requires_grad_(False)
+    target = load_target(target_dir, device=dev).requires_grad_(False)
     digests = {"target_digest": model_digest(target_dir), "data_digest": file_digest(data)}
     if state and any(state["run"][k] != v for k, v in digests.items()):
         raise InputError("--resume needs the same --target and --data as the checkpoint's run")
@@ -383,12 +386,13 @@ def train_drafter(kind: str, target_dir: str | Path, data: str | Path, out: str 
     if int(seqs.tokens.max()) >= target.config.vocab_size:
         raise InputError(f"{data}: token ids beyond the target's vocabulary of {target.config.vocab_size}")
     drafter = (load_drafter(Path(state["_dir"]) / "model", target) if state else
-               build_drafter(kind, target, target_dir, settings)).train()
+               build_drafter(kind, target, target_dir, settings)).to(dev).train()
     B, s, layer_ids = drafter.block_size, settings, drafter.target_layer_ids
     gamma = auto_gamma(B) if s["gamma"] == "auto" else float(s["gamma"])
-    objective = DraftObjective(drafter, target, gamma, rounds=s["rounds"] if kind == "dflow" else 1)
+    objective = DraftObjective(drafter, target, gamma, rounds=s["rounds"] if kind == "dflow" else 1).to(dev)
     ddp = torch.nn.parallel.DistributedDataParallel
-    forward = ddp(objective, broadcast_buffers=False) if d.world > 1 else objective
+    forward = (ddp(objective, broadcast_buffers=False, device_ids=[dev] if dev.type == "cuda" else None)
+               if d.world > 1 else objective)
     global_batch = state["run"]["global_batch"] if state else batch * d.world
     n_train = len(seqs) - s["eval_seqs"]
     batches = AnchorBatches(seqs, list(range(n_train)), global_batch, s["anchors"], B, objective.rounds, s["seed"],
@@ -397,7 +401,7 @@ def train_drafter(kind: str, target_dir: str | Path, data: str | Path, out: str 
     prompts = heldout_prompts(tokenizer, eval_prompts) if tokenizer and d.main else []
     stops = stop_token_ids(tokenizer) if tokenizer else []
     task = DrafterTask(objective, forward, batches, list(range(n_train, len(seqs))), d, out, log_every,
-                       {"steps": s["steps"], "minutes": s["minutes"]}, prompts, stops, eval_max_new_tokens)
+                       {"steps": s["steps"], "minutes": s["minutes"]}, prompts, stops, eval_max_new_tokens, dev)
     cfg = loop.LoopConfig(out=out, lr=s["lr"], total_steps=s["steps"], minutes=s["minutes"], warmup=s["warmup"],
                           min_lr_ratio=s["min_lr_ratio"], clip=s["clip"], checkpoint_every=checkpoint_every,
                           log_every=log_every, run_steps=run_steps)

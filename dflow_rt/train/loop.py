@@ -39,14 +39,23 @@ class Dist:
         return self.rank == 0
 
 
-def init_distributed() -> Dist:
-    """A gloo process group when launched by torchrun (WORLD_SIZE > 1), else a single process."""
+def init_distributed(device: str = "cpu") -> Dist:
+    """A process group when launched by torchrun (WORLD_SIZE > 1: gloo on CPU, nccl on CUDA), else one process."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return Dist()
     if not dist.is_initialized():
-        dist.init_process_group("gloo")
+        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
     return Dist(dist.get_rank(), dist.get_world_size())
+
+
+def local_device(device: str) -> torch.device:
+    """`device` for this process: under torchrun, "cuda" means this rank's own GPU."""
+    if device != "cuda":
+        return torch.device(device)
+    dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    torch.cuda.set_device(dev)
+    return dev
 
 
 def all_mean(values: list[float], d: Dist) -> list[float]:

@@ -162,7 +162,7 @@ def load_sequences(path: str | Path) -> Sequences:
 
 def regenerate(target_dir: str | Path, out: str | Path, prompts: int = 2000, max_new_tokens: int = 256,
                seed: int = 0, batch: int = 16, max_prompt_tokens: int = 128, stop_tail: int = 16,
-               threads: int | None = None) -> Path:
+               threads: int | None = None, device: str = "cpu") -> Path:
     """Write `out`; progress is saved to `out.partial` after every batch, and a rerun continues from it."""
     from tqdm import tqdm
 
@@ -174,7 +174,7 @@ def regenerate(target_dir: str | Path, out: str | Path, prompts: int = 2000, max
     out = Path(out)
     partial = out.with_name(out.name + ".partial")
     tokenizer = load_tokenizer(target_dir)
-    target = load_target(target_dir)
+    target = load_target(target_dir, device=device)
     stops = stop_token_ids(tokenizer)
     meta = {"target": str(target_dir), "target_digest": model_digest(target_dir), "prompts": prompts,
             "max_new_tokens": max_new_tokens, "seed": seed, "max_prompt_tokens": max_prompt_tokens,

@@ -1,0 +1,103 @@
+"""The DFlash vs DFlow table of docs/RESULTS.md: tau on every held-out suite, greedy and T = 1.
+
+Rows: DFlash, DFlow, DFlow with its relay off. Per-prompt differences are paired (the same prompts and,
+at T = 1, the same per-prompt seeds, hence the same text; see dflow_rt/eval/tau.py), reported as
+mean +- standard error. Also the relay diagnostics of dflow_rt/eval/diagnose.py (greedy).
+
+    python bench/drafter_table.py --dflash dflow_rt/assets/dflash --dflow dflow_rt/assets/dflow \
+        --limit 60 --threads 1 --json docs/drafter_table.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from dflow_rt.eval.diagnose import relay_diagnostics
+from dflow_rt.eval.suites import SUITES, suite_prompts
+from dflow_rt.eval.tau import mean, measure_tau, sem
+from dflow_rt.models.bundled import drafter_dir, target_dir
+from dflow_rt.models.checkpoint import load_drafter, load_target
+from dflow_rt.tokenizer import load_tokenizer, stop_token_ids
+
+ROWS = (("DFlash", "dflash", True), ("DFlow", "dflow", True), ("DFlow, relay off", "dflow", False))
+PAIRS = (("DFlow - DFlash", "DFlow", "DFlash"), ("relay on - off", "DFlow", "DFlow, relay off"))
+
+
+def paired(a: list[float], b: list[float]) -> tuple[float, float]:
+    diff = [x - y for x, y in zip(a, b, strict=True)]
+    return mean(diff), sem(diff)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--target", default=None)
+    p.add_argument("--dflash", default="dflash")
+    p.add_argument("--dflow", default="dflow")
+    p.add_argument("--suites", nargs="+", default=list(SUITES))
+    p.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 1.0])
+    p.add_argument("--limit", type=int, default=60)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--diagnostic-prompts", type=int, default=20, help="per suite, greedy batch-1 rounds")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    tdir = target_dir(args.target)
+    target, tokenizer = load_target(tdir), load_tokenizer(tdir)
+    drafters = {"dflash": load_drafter(drafter_dir(args.dflash), target),
+                "dflow": load_drafter(drafter_dir(args.dflow), target)}
+    stops = tuple(stop_token_ids(tokenizer))
+    report = {"date": time.strftime("%Y-%m-%d"), "args": vars(args), "tau": {}, "paired": {}, "diagnostics": {}}
+    t0 = time.perf_counter()
+    for suite in args.suites:
+        prompts = suite_prompts(tokenizer, suite, args.limit)
+        for T in args.temperatures:
+            key = f"{suite} T={T:g}"
+            per = {}
+            for row, name, relay in ROWS:
+                d = drafters[name]
+                d.use_relay = relay and d.relay is not None
+                r = measure_tau(target, d, prompts, suite, T, args.max_new_tokens, stops, progress=True)
+                per[row] = r.per_prompt
+                report["tau"].setdefault(key, {})[row] = r.summary()
+                print(f"{key:12s} {row:18s} tau {r.tau:.3f} +- {sem(r.per_prompt):.3f}  "
+                      f"({time.perf_counter() - t0:.0f} s)", flush=True)
+            report["paired"][key] = {label: paired(per[a], per[b]) for label, a, b in PAIRS}
+        for name in ("dflash", "dflow"):
+            drafters[name].use_relay = drafters[name].relay is not None
+            report["diagnostics"].setdefault(suite, {})[name] = relay_diagnostics(
+                target, drafters[name], prompts[:args.diagnostic_prompts], args.max_new_tokens, stops)
+        print(suite, json.dumps(report["diagnostics"][suite]), flush=True)
+    report["seconds"] = round(time.perf_counter() - t0, 1)
+    print(markdown(report))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+def markdown(report: dict) -> str:
+    lines = ["| suite | T | prompts | DFlash | DFlow | DFlow, relay off | DFlow - DFlash | relay on - off |",
+             "|---|---|---|---|---|---|---|---|"]
+    for key, rows in report["tau"].items():
+        suite, T = key.split(" T=")
+        cells = [f"{rows[r]['tau']:.3f} +- {rows[r]['tau_se']:.3f}" for r, _, _ in ROWS]
+        diffs = [f"{m:+.3f} +- {s:.3f}" for m, s in report["paired"][key].values()]
+        lines.append(f"| {suite} | {T} | {rows['DFlash']['prompts']} | " + " | ".join(cells + diffs) + " |")
+    lines += ["", "| suite | drafter | rounds after a rejection | target right at rejected position | "
+              "drafter slot 1 right | relay changes a round | relay changes a relayed slot |",
+              "|---|---|---|---|---|---|---|"]
+    for suite, per in report["diagnostics"].items():
+        for name, d in per.items():
+            lines.append(f"| {suite} | {name} | {d['rounds_after_rejection']} | {d['target_acc_at_rejected']:.3f} | "
+                         f"{d['drafter_slot1_acc']:.3f} | {d.get('relay_changes_round', float('nan')):.3f} | "
+                         f"{d.get('relay_changes_slot', float('nan')):.3f} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

