@@ -12,8 +12,10 @@
 #
 # `run` writes $OUT/smollm2.json (tau per drafter, relay on/off, greedy and T=1, HumanEval prompts) and
 # $OUT/smollm2.log. Budgets: DFLASH_MIN (default 3) for DFlash; DFlow = DFlash trained DFLASH_MIN - DFLOW_MIN
-# minutes, then DFLOW_MIN (default 1) minutes of DFlow: the same wall clock. DEVICE=cpu, PROMPTS and
-# LIMIT (HumanEval prompts, default all 164) shrink it to a dry run.
+# minutes, then DFLOW_MIN (default 1) minutes of DFlow: the same wall clock. DEVICE=cpu, PROMPTS, NEW (tokens
+# per regenerated prompt), BATCH (sequences per update) STEPS (updates per run instead of minutes),
+# LIMIT (HumanEval prompts, default all 164), DIAG
+# (prompts for the diagnostics, 40) and EVAL_NEW (tokens per evaluated prompt, 128) shrink it to a dry run.
 set -euo pipefail
 STAGE=/tmp/smollm2
 case "${1:-}" in
@@ -31,6 +33,7 @@ receive)
   ;;
 run)
   exec > >(tee "${OUT:-.}/smollm2.log") 2>&1
+  rm -rf $STAGE/runs
   cat $STAGE/chunk00 $STAGE/chunk01 $STAGE/chunk02 > $STAGE/model.gguf
   [ "$(sha256sum $STAGE/model.gguf | cut -d' ' -f1)" = "$(cat .gpu/wheels/gguf.sha256)" ] || { echo "GGUF parts do not match"; exit 1; }
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu/wheels/*.whl
@@ -38,19 +41,22 @@ run)
   dr() { python3 -m dflow_rt.cli "$@"; }
   M=$STAGE/hf W=$STAGE/runs DFLASH_MIN=${DFLASH_MIN:-3} DFLOW_MIN=${DFLOW_MIN:-1} DEV=${DEVICE:-cuda}
   python3 bench/smollm2_to_hf.py --gguf $STAGE/model.gguf --out $M --dtype float32
-  dr train regen --target $M --out $W/data.safetensors --prompts ${PROMPTS:-768} --max-new-tokens 192 --batch 128 --device $DEV
-  common=(--target $M --data $W/data.safetensors --device $DEV --batch 16 --eval-prompts 0 --checkpoint-every 100000)
-  dr train dflash "${common[@]}" --out $W/dflash --minutes $DFLASH_MIN
-  dr train dflash "${common[@]}" --out $W/dflash-base --minutes $(python3 -c "print($DFLASH_MIN - $DFLOW_MIN)")
-  dr train dflow "${common[@]}" --out $W/dflow --init $W/dflash-base --lr 2e-4 --minutes $DFLOW_MIN
+  dr train regen --target $M --out $W/data.safetensors --prompts ${PROMPTS:-768} --max-new-tokens ${NEW:-192} --batch 128 --device $DEV
+  common=(--target $M --data $W/data.safetensors --device $DEV --batch ${BATCH:-16} --eval-prompts 0 --checkpoint-every 100000)
+  if [ -n "${STEPS:-}" ]; then full=(--steps $STEPS) base=(--steps $STEPS) rest=(--steps $STEPS)  # dry run
+  else full=(--minutes $DFLASH_MIN) base=(--minutes $(python3 -c "print($DFLASH_MIN - $DFLOW_MIN)")) rest=(--minutes $DFLOW_MIN)
+  fi
+  dr train dflash "${common[@]}" --out $W/dflash "${full[@]}"
+  dr train dflash "${common[@]}" --out $W/dflash-base "${base[@]}"
+  dr train dflow "${common[@]}" --out $W/dflow --init $W/dflash-base --lr 2e-4 "${rest[@]}"
   for T in 0 1; do
     for d in dflash dflow; do
-      dr eval-tau --target $M --drafter $W/$d --suite code --temperature $T --batch 32 --limit ${LIMIT:-164} --json > $W/tau_${d}_T$T.json
+      dr eval-tau --target $M --drafter $W/$d --suite code --temperature $T --batch 32 --limit ${LIMIT:-164} --max-new-tokens ${EVAL_NEW:-128} --json > $W/tau_${d}_T$T.json
     done
-    dr eval-tau --target $M --drafter $W/dflow --suite code --temperature $T --batch 32 --limit ${LIMIT:-164} --no-relay --json \
+    dr eval-tau --target $M --drafter $W/dflow --suite code --temperature $T --batch 32 --limit ${LIMIT:-164} --max-new-tokens ${EVAL_NEW:-128} --no-relay --json \
       > $W/tau_dflow-norelay_T$T.json
   done
-  dr eval-tau --target $M --drafter $W/dflow --suite code --limit 40 --diagnostics --json > $W/diagnostics.json
+  dr eval-tau --target $M --drafter $W/dflow --suite code --limit ${DIAG:-40} --max-new-tokens ${EVAL_NEW:-128} --diagnostics --json > $W/diagnostics.json
   python3 - "$W" "${OUT:-.}/smollm2.json" <<'PY'
 import json, pathlib, sys
 w = pathlib.Path(sys.argv[1])

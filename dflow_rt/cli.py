@@ -120,23 +120,33 @@ def cmd_convert(args: argparse.Namespace) -> None:
 def cmd_bench(args: argparse.Namespace) -> None:
     import random
     import tempfile
+    from pathlib import Path
 
     import torch
 
     from dflow_rt.bench.runtime import bench_runtime, format_table
+    from dflow_rt.eval.suites import suite_prompts
+    from dflow_rt.models.bundled import drafter_dir, target_dir
     from dflow_rt.models.checkpoint import load_drafter, load_target
     from dflow_rt.models.init_random import init_random
+    from dflow_rt.tokenizer import load_tokenizer
 
     if args.threads:
         torch.set_num_threads(args.threads)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if args.target is None:
+    n = max(args.batches)
+    if args.random_models:
         args.target, args.drafter = init_random(tempfile.mkdtemp(prefix="dflow-bench-"), hidden=256)
-        print(f"no --target: benchmarking random models written to {args.target.parent}")
+        print(f"benchmarking random models written to {args.target.parent}")
+    elif args.target is None:  # the bundled pair, on held-out HumanEval prompts
+        args.target, args.drafter = target_dir(None), drafter_dir(args.drafter or "dflow")
     target = load_target(args.target, device=device)
-    drafter = load_drafter(args.drafter, target) if args.drafter else None
-    rng = random.Random(0)
-    prompts = [[rng.randrange(target.config.vocab_size) for _ in range(32)] for _ in range(max(args.batches))]
+    drafter = load_drafter(drafter_dir(args.drafter), target) if args.drafter else None
+    if (Path(args.target) / "tokenizer.json").exists():
+        prompts = suite_prompts(load_tokenizer(args.target), "code", n, max_prompt_tokens=64)
+    else:
+        rng = random.Random(0)
+        prompts = [[rng.randrange(target.config.vocab_size) for _ in range(32)] for _ in range(n)]
     backends = args.backends or (["eager", "compile"] + (["cudagraph"] if device == "cuda" else []))
     result = bench_runtime(target, drafter, prompts, backends, args.batches, args.rounds)
     result |= {"target": str(args.target), "drafter": str(args.drafter), "device": device}
@@ -184,8 +194,9 @@ def parser() -> argparse.ArgumentParser:
     c.set_defaults(run=cmd_convert)
     b = sub.add_parser("bench", help="benchmarks (figures for docs/RESULTS.md)")
     b.add_argument("--suite", choices=["runtime"], default="runtime")
-    b.add_argument("--target", default=None, help="default: random models of the bundled size")
-    b.add_argument("--drafter", default=None)
+    b.add_argument("--target", default=None, help="[the bundled target, with the bundled DFlow drafter]")
+    b.add_argument("--drafter", default=None, help="dflash, dflow (bundled) or a drafter directory")
+    b.add_argument("--random-models", action="store_true", help="random models of the bundled size instead")
     b.add_argument("--backends", nargs="+", choices=["eager", "compile", "cudagraph"], default=None)
     b.add_argument("--batches", nargs="+", type=int, default=[1, 4])
     b.add_argument("--rounds", type=int, default=30)

@@ -1,11 +1,13 @@
 """The bundled models load in dflow-rt and in transformers, and agree."""
 
+import json
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import dflow_rt
+from dflow_rt.cli import main
 
 ASSETS = Path(dflow_rt.__file__).parent / "assets"
 
@@ -19,3 +21,31 @@ def test_bundled_target_matches_transformers():
         logits, _ = ours(ids, torch.arange(ids.shape[1])[None])
         torch.testing.assert_close(logits, hf(ids).logits, atol=1e-4, rtol=0)
     assert tok.convert_tokens_to_ids("<|MASK|>") < ours.config.vocab_size
+
+
+def test_bundled_drafters_are_lossless_and_accept_drafts(capsys):
+    """`generate` with no model arguments runs the bundled target with the bundled DFlow drafter, and emits
+    exactly the bundled target's own greedy decoding; both bundled drafters really draft (tau well above 1)."""
+    import json
+
+    from dflow_rt.cli import main
+
+    target = dflow_rt.load_target(ASSETS / "target")
+    assert main(["generate", "--prompt", "def fibonacci(n):", "--max-new-tokens", "48", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["token_ids"] == dflow_rt.generate(target, None, out["prompt_ids"], max_new_tokens=48).token_ids
+    for name in ("dflash", "dflow"):
+        drafter = dflow_rt.load_drafter(ASSETS / name, target)
+        assert (drafter.relay is not None) == (name == "dflow") and drafter.block_size == 16
+        spec = dflow_rt.generate(target, drafter, out["prompt_ids"], max_new_tokens=48)
+        assert spec.token_ids == out["token_ids"] and spec.tau > 1.5
+
+
+def test_bench_cli_reports_every_phase(tmp_path):
+    fixtures = Path(__file__).parent / "fixtures" / "dflash_reference"
+    report = tmp_path / "bench.json"
+    assert main(["bench", "--target", str(fixtures / "target"), "--drafter", str(fixtures / "drafter"),
+                 "--backends", "eager", "--batches", "2", "--rounds", "3", "--json", str(report)]) == 0
+    rows = json.loads(report.read_text())["rows"]
+    assert [(r["backend"], r["batch"]) for r in rows] == [("eager", 2)]
+    assert {"tokens_per_s", "draft_ms", "verify_ms", "commit_ms", "host_frac"} <= rows[0].keys()

@@ -318,3 +318,26 @@ def test_bad_invocations_are_refused(tiny_dir, data_file, dflash_run, capsys):
     err = capsys.readouterr().err
     assert "pass --resume" in err and "conflicting: --lr 0.5" in err and "holds a dflash run" in err
     assert os.path.exists(dflash_run / "config.json")
+
+
+def test_ddp_two_ranks_match_one_process_for_dflow(tiny_dir, data_file, dflash_run, tmp_path):
+    """2 gloo ranks x 2 sequences against 1 process x 4: the same global batches, anchors and schedule, so
+    the same loss curve up to summation order (see the target's DDP test for the tolerance's reasoning)."""
+    import subprocess
+    import sys
+
+    common = ["dflow", "--target", str(tiny_dir), "--data", str(data_file), *RUN, "--init", str(dflash_run),
+              "--steps", "6"]
+    one = tmp_path / "one"
+    assert run_cli([*common, "--out", str(one), "--batch", "4"]) == 0
+    two = tmp_path / "two"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "dflow_rt.train.cli", *common, "--out", str(two), "--batch", "2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    curves = [{r["step"]: r["last_loss"] for r in log(out) if r["event"] == "train"} for out in (one, two)]
+    assert sorted(curves[0]) == sorted(curves[1]) == list(range(1, 7))
+    assert max(abs(curves[0][s] - curves[1][s]) for s in curves[0]) < 1e-4
+    assert curves[0][1] != curves[0][6]  # it trained
+    assert log(two)[0]["world"] == 2

@@ -9,6 +9,7 @@ temperature, emits the same text: per-prompt differences between drafters are pa
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -80,7 +81,9 @@ def measure_tau(target, drafter, prompts: list[list[int]], suite: str = "", temp
     rt = Runtime(target, drafter, RuntimeConfig(max_batch=batch, max_len=max_len, backend="eager"))
     rids = [rt.add_request(p, max_new_tokens=max_new_tokens, temperature=temperature, stop_token_ids=stop_token_ids,
                            seed=prompt_seed(suite, i)) for i, p in enumerate(prompts)]
-    with tqdm(total=len(rids), desc=f"tau {suite}".strip(), unit="prompt", disable=not progress, leave=False) as bar:
+    quiet = not sys.stderr.isatty()  # a log file gets a line every 30 s, not every round
+    with tqdm(total=len(rids), desc=f"tau {suite}".strip(), unit="prompt", disable=not progress, leave=False,
+              mininterval=30.0 if quiet else 0.1) as bar:
         while not all(rt.is_finished(r) for r in rids):
             rt.step()
             bar.update(sum(rt.is_finished(r) for r in rids) - bar.n)
