@@ -3,6 +3,7 @@
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -49,3 +50,14 @@ def test_bench_cli_reports_every_phase(tmp_path):
     rows = json.loads(report.read_text())["rows"]
     assert [(r["backend"], r["batch"]) for r in rows] == [("eager", 2)]
     assert {"tokens_per_s", "draft_ms", "verify_ms", "commit_ms", "host_frac"} <= rows[0].keys()
+
+
+def test_bundled_names_resolve(tmp_path, monkeypatch):
+    from dflow_rt.models import bundled
+
+    assert bundled.target_dir(None) == ASSETS.resolve() / "target" and bundled.drafter_dir(None) is None
+    assert bundled.drafter_dir("dflow") == ASSETS.resolve() / "dflow"
+    assert bundled.drafter_dir(str(tmp_path)) == tmp_path  # anything else is a directory
+    monkeypatch.setattr(bundled, "ASSETS", tmp_path)
+    with pytest.raises(dflow_rt.InputError, match="bundled dflash drafter is missing"):
+        bundled.drafter_dir("dflash")

@@ -308,6 +308,11 @@ def test_relay_learning_rate_scale(reference_pair):
     assert all(torch.equal(before[k], after[k]) for k in before if k.startswith("relay."))
     assert not torch.equal(before["fc.weight"], after["fc.weight"])
     assert all(g["lr"] == 1e-2 for g in opt.param_groups)
+    opt = make_optimizer(drafter, lr=1e-2, weight_decay=0.1, base_lr_scale=0.0)  # the relay alone
+    before = {k: v.clone() for k, v in drafter.state_dict().items()}
+    opt.step()
+    after = drafter.state_dict()
+    assert all(torch.equal(before[k], after[k]) != k.startswith("relay.") for k in before)
 
 
 def test_bad_invocations_are_refused(tiny_dir, data_file, dflash_run, capsys):

@@ -138,6 +138,8 @@ def _drafter_parser(p: argparse.ArgumentParser, dflow: bool) -> None:
                        "drafter; it fixes the shape (--block-size, --layers, ... are then ignored)")
         m.add_argument("--relay-hidden", type=int, help="relay MLP width [target hidden size]")
         m.add_argument("--relay-lr-scale", type=float, help="relay learning rate / --lr [1.0]")
+        m.add_argument("--base-lr-scale", type=float,
+                       help="learning rate of the DFlash weights / --lr; 0 trains the relay alone [1.0]")
         m.add_argument("--rounds", type=int, help="rounds unrolled per anchor [3]")
     m.add_argument("--block-size", type=int, help="B [16]")
     m.add_argument("--layers", type=int, help="drafter decoder layers [2]")

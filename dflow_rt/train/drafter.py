@@ -50,7 +50,8 @@ from dflow_rt.train.regen import (
 DFLASH_DEFAULTS = {"block_size": 16, "layers": 2, "target_layers": None, "mask_token_id": None, "anchors": 32,
                    "lr": 1e-3, "gamma": "auto", "warmup": 50, "min_lr_ratio": 0.1, "weight_decay": 0.01, "clip": 1.0,
                    "seed": 0, "steps": None, "minutes": None, "eval_seqs": 16}
-DFLOW_DEFAULTS = {**DFLASH_DEFAULTS, "init": None, "relay_hidden": None, "relay_lr_scale": 1.0, "rounds": 3}
+DFLOW_DEFAULTS = {**DFLASH_DEFAULTS, "init": None, "relay_hidden": None, "relay_lr_scale": 1.0,
+                  "base_lr_scale": 1.0, "rounds": 3}
 
 
 def auto_gamma(block_size: int) -> float:
@@ -222,14 +223,16 @@ class ScaledAdamW(torch.optim.AdamW):
                 g["lr"] = lr
 
 
-def make_optimizer(drafter: Drafter, lr: float, weight_decay: float, relay_lr_scale: float = 1.0) -> ScaledAdamW:
-    """Matrices decay, gains do not; relay parameters get their own learning-rate scale."""
+def make_optimizer(drafter: Drafter, lr: float, weight_decay: float, relay_lr_scale: float = 1.0,
+                   base_lr_scale: float = 1.0) -> ScaledAdamW:
+    """Matrices decay, gains do not; relay and DFlash (base) parameters get their own learning-rate scales
+    (base 0 trains the relay alone: the DFlash weights, and so the relay-off drafts, stay exactly as they were)."""
     groups: dict[tuple[bool, bool], list] = {}
     for name, p in drafter.named_parameters():
         groups.setdefault((name.startswith("relay."), p.dim() >= 2), []).append(p)
     return ScaledAdamW([{"params": ps, "weight_decay": weight_decay if decay else 0.0,
-                         "lr_scale": relay_lr_scale if relay else 1.0} for (relay, decay), ps in groups.items()],
-                       lr=lr, betas=(0.9, 0.95), eps=1e-8)
+                         "lr_scale": relay_lr_scale if relay else base_lr_scale}
+                        for (relay, decay), ps in groups.items()], lr=lr, betas=(0.9, 0.95), eps=1e-8)
 
 
 class DrafterTask:
@@ -412,7 +415,8 @@ def train_drafter(kind: str, target_dir: str | Path, data: str | Path, out: str 
     if d.main and not state:
         print(f"{kind}: {json.dumps({k: info[k] for k in ('params', 'block_size', 'target_layer_ids', 'gamma')})}, "
               f"{len(seqs)} sequences, {d.world} rank(s) x {threads} thread(s)", flush=True)
-    optimizer = make_optimizer(drafter, s["lr"], s["weight_decay"], s.get("relay_lr_scale", 1.0))
+    optimizer = make_optimizer(drafter, s["lr"], s["weight_decay"], s.get("relay_lr_scale", 1.0),
+                               s.get("base_lr_scale", 1.0))
     result = loop.run(cfg, drafter, optimizer, task, d, info, state)
     if d.world > 1:
         torch.distributed.destroy_process_group()
