@@ -131,3 +131,17 @@ def test_sampling_is_reproducible_and_pathwise_autoregressive(reference_pair):
         assert a == spec.generate(prompts, max_new_tokens=40, seed=11, **kw)
         assert a == plain.generate(prompts, max_new_tokens=40, seed=11, **kw)
         assert a != spec.generate(prompts, max_new_tokens=40, seed=12, **kw)
+
+
+def test_finished_rows_stay_inside_a_tight_cache(reference_pair):
+    """A finished row keeps running as padding; its last round can leave it within B of max_len, so the
+    Runtime must park it (max_len here is exactly what add_request demands)."""
+    target, drafter = reference_pair
+    # Case 2 (the longest prompt) accepts all 16 tokens a round and ends 9 past max_new while case 5
+    # (about 1 token a round) still runs beside it.
+    prompts = [CASES[2]["prompt_ids"], CASES[5]["prompt_ids"], CASES[2]["prompt_ids"]]
+    max_new = 40
+    rt = Runtime(target, drafter, RuntimeConfig(max_batch=2, max_len=max(map(len, prompts)) + max_new + 16))
+    outs = rt.generate(prompts, max_new_tokens=max_new)
+    for p, out in zip(prompts, outs, strict=True):
+        assert out == dflow_rt.generate(target, drafter, p, max_new_tokens=max_new).token_ids
