@@ -73,11 +73,11 @@ def main() -> None:
             report["diagnostics"].setdefault(suite, {})[name] = relay_diagnostics(
                 target, drafters[name], prompts[:args.diagnostic_prompts], args.max_new_tokens, stops)
         print(suite, json.dumps(report["diagnostics"][suite]), flush=True)
-    report["seconds"] = round(time.perf_counter() - t0, 1)
+        report["seconds"] = round(time.perf_counter() - t0, 1)
+        if args.json:  # after every suite: a long run that stops keeps what it measured
+            with open(args.json, "w") as f:
+                json.dump(report, f, indent=1)
     print(markdown(report))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
 
 
 def markdown(report: dict) -> str:

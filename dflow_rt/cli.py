@@ -15,7 +15,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     from dflow_rt.tokenizer import stop_token_ids
 
     if args.drafter is None and args.target is None:
-        args.drafter = "dflow"  # the bundled pair
+        args.drafter = "dflash"  # the bundled pair (DFlash measured the better drafter: docs/RESULTS.md)
     target, drafter, tokenizer = _load_models(args)
     if args.chat:
         ids = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}],
@@ -60,7 +60,7 @@ def cmd_eval_tau(args: argparse.Namespace) -> None:
     from dflow_rt.eval.tau import measure_tau
     from dflow_rt.tokenizer import stop_token_ids
 
-    args.drafter = args.drafter or "dflow"
+    args.drafter = args.drafter or "dflash"
     target, drafter, tokenizer = _load_models(args)
     if drafter is None:
         raise DflowError("eval-tau needs a drafter")
@@ -139,7 +139,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
         args.target, args.drafter = init_random(tempfile.mkdtemp(prefix="dflow-bench-"), hidden=256)
         print(f"benchmarking random models written to {args.target.parent}")
     elif args.target is None:  # the bundled pair, on held-out HumanEval prompts
-        args.target, args.drafter = target_dir(None), drafter_dir(args.drafter or "dflow")
+        args.target, args.drafter = target_dir(None), drafter_dir(args.drafter or "dflash")
     target = load_target(args.target, device=device)
     drafter = load_drafter(drafter_dir(args.drafter), target) if args.drafter else None
     if (Path(args.target) / "tokenizer.json").exists():
@@ -161,7 +161,7 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="complete a prompt with speculative decoding")
     _model_args(g, "dflash, dflow (bundled), a drafter directory, or none for plain autoregressive decoding "
-                   "[dflow without --target, else none]")
+                   "[dflash without --target, else none]")
     g.add_argument("--prompt", required=True)
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--block-size", type=int, default=None, help="default: the drafter's block size")
@@ -170,7 +170,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--quiet-stats", action="store_true", help="print the statistics line to stderr")
     g.set_defaults(run=cmd_generate)
     e = sub.add_parser("eval-tau", help="acceptance length on held-out prompt suites")
-    _model_args(e, "dflash, dflow (bundled) or a drafter directory [dflow]")
+    _model_args(e, "dflash, dflow (bundled) or a drafter directory [dflash]")
     e.add_argument("--suite", choices=["code", "math", "chat", "all"], default="all",
                    help="code: HumanEval prompts; math: held-out word problems; chat: held-out questions [all]")
     e.add_argument("--temperature", type=float, default=0.0, help="0 = greedy [0]")
@@ -194,7 +194,7 @@ def parser() -> argparse.ArgumentParser:
     c.set_defaults(run=cmd_convert)
     b = sub.add_parser("bench", help="benchmarks (figures for docs/RESULTS.md)")
     b.add_argument("--suite", choices=["runtime"], default="runtime")
-    b.add_argument("--target", default=None, help="[the bundled target, with the bundled DFlow drafter]")
+    b.add_argument("--target", default=None, help="[the bundled target, with the bundled DFlash drafter]")
     b.add_argument("--drafter", default=None, help="dflash, dflow (bundled) or a drafter directory")
     b.add_argument("--random-models", action="store_true", help="random models of the bundled size instead")
     b.add_argument("--backends", nargs="+", choices=["eager", "compile", "cudagraph"], default=None)

@@ -25,7 +25,7 @@ def test_bundled_target_matches_transformers():
 
 
 def test_bundled_drafters_are_lossless_and_accept_drafts(capsys):
-    """`generate` with no model arguments runs the bundled target with the bundled DFlow drafter, and emits
+    """`generate` with no model arguments runs the bundled target with a bundled drafter, and emits
     exactly the bundled target's own greedy decoding; both bundled drafters really draft (tau well above 1)."""
     import json
 
@@ -35,11 +35,17 @@ def test_bundled_drafters_are_lossless_and_accept_drafts(capsys):
     assert main(["generate", "--prompt", "def fibonacci(n):", "--max-new-tokens", "48", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["token_ids"] == dflow_rt.generate(target, None, out["prompt_ids"], max_new_tokens=48).token_ids
+    from dflow_rt.eval.suites import suite_prompts
+    from dflow_rt.tokenizer import load_tokenizer
+
+    maths = suite_prompts(load_tokenizer(ASSETS / "target"), "math", 3)
     for name in ("dflash", "dflow"):
         drafter = dflow_rt.load_drafter(ASSETS / name, target)
         assert (drafter.relay is not None) == (name == "dflow") and drafter.block_size == 16
         spec = dflow_rt.generate(target, drafter, out["prompt_ids"], max_new_tokens=48)
-        assert spec.token_ids == out["token_ids"] and spec.tau > 1.5
+        assert spec.token_ids == out["token_ids"]
+        taus = [dflow_rt.generate(target, drafter, p, max_new_tokens=48).tau for p in maths]
+        assert sum(taus) / len(taus) > 1.5  # held-out word problems (a drafter that never hits: 1.0)
 
 
 def test_bench_cli_reports_every_phase(tmp_path):
