@@ -143,10 +143,10 @@ def cmd_bench(args: argparse.Namespace) -> None:
     target = load_target(args.target, device=device)
     drafter = load_drafter(drafter_dir(args.drafter), target) if args.drafter else None
     if (Path(args.target) / "tokenizer.json").exists():
-        prompts = suite_prompts(load_tokenizer(args.target), "code", n, max_prompt_tokens=64)
+        prompt = suite_prompts(load_tokenizer(args.target), "code", 1, max_prompt_tokens=64)[0]
     else:
-        rng = random.Random(0)
-        prompts = [[rng.randrange(target.config.vocab_size) for _ in range(32)] for _ in range(n)]
+        prompt = [random.Random(0).randrange(target.config.vocab_size) for _ in range(32)]
+    prompts = [prompt] * n  # one request in every row: every batch size decodes the same tokens per round
     backends = args.backends or (["eager", "compile"] + (["cudagraph"] if device == "cuda" else []))
     result = bench_runtime(target, drafter, prompts, backends, args.batches, args.rounds)
     result |= {"target": str(args.target), "drafter": str(args.drafter), "device": device}
