@@ -40,9 +40,8 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
     # transformers will not re-serialise a GGUF-loaded model, but its dequantised tensors are ordinary ones.
     config = model.config
-    for attr in ("quantization_config",):
-        if hasattr(config, attr):
-            delattr(config, attr)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
     config.dtype = args.dtype
     args.out.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(args.out)

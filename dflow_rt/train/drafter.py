@@ -41,8 +41,8 @@ from dflow_rt.train.regen import (
     collate,
     file_digest,
     heldout_prompts,
+    heldout_tau,
     load_sequences,
-    measure_tau,
     model_digest,
 )
 
@@ -302,7 +302,7 @@ class DrafterTask:
                 self.log.write("eval_slots", slot_acc=[round(a, 4) for a in acc])
         drafter.use_relay = drafter.relay is not None
         if self.prompts:
-            out |= measure_tau(self.objective._frozen[0], drafter, self.prompts, self.eval_tokens, self.stop_ids)
+            out |= heldout_tau(self.objective._frozen[0], drafter, self.prompts, self.eval_tokens, self.stop_ids)
         self.window_t = time.perf_counter()
         return out
 

@@ -259,18 +259,16 @@ class AnchorBatches:
         self.epoch, self.index = int(state["epoch"]), int(state["index"])
 
 
-@torch.inference_mode()
-def measure_tau(target: Target, drafter, prompts: list[list[int]], max_new_tokens: int,
+def heldout_tau(target: Target, drafter, prompts: list[list[int]], max_new_tokens: int,
                 stop_ids: list[int] = ()) -> dict[str, float]:
-    """Mean acceptance length of real greedy rounds over all `prompts` (a DFlow drafter: with and without
-    its relay, the ablation that tells whether the relay helps)."""
-    from dflow_rt.round import generate
+    """Greedy tau (`dflow-rt eval-tau`'s definition) on held-out prompts; for a DFlow drafter also with its
+    relay off, the ablation that tells whether the relay helps."""
+    from dflow_rt.eval.tau import measure_tau
 
     out = {}
     for name, relay in [("tau", True), ("tau_norelay", False)][:2 if drafter.relay is not None else 1]:
         drafter.use_relay = relay and drafter.relay is not None
-        runs = [generate(target, drafter, p, max_new_tokens, stop_token_ids=stop_ids).acceptance_lengths
-                for p in prompts]
-        out[name] = sum(map(sum, runs)) / max(sum(map(len, runs)), 1)
+        out[name] = measure_tau(target, drafter, prompts, max_new_tokens=max_new_tokens,
+                                stop_token_ids=tuple(stop_ids)).tau
     drafter.use_relay = drafter.relay is not None
     return out
