@@ -15,6 +15,9 @@ class RuntimeConfig:
     shapes), or `cudagraph` (compiled and captured as CUDA graphs; CUDA only).
     batch_buckets: batch sizes the round is built for (default: powers of two up to
     max_batch); a step runs the smallest bucket that covers the live rows.
+    length_buckets: cache lengths the round is built for (default: powers of two from 128
+    up to max_len); a step attends over the smallest one that covers every live request's
+    next block, so attention costs what the live requests need, not max_len.
     """
 
     max_batch: int = 8
@@ -22,6 +25,7 @@ class RuntimeConfig:
     backend: str = "eager"
     block_size: int | None = None
     batch_buckets: tuple[int, ...] | None = None
+    length_buckets: tuple[int, ...] | None = None
     compile_backend: str = "inductor"  # torch.compile backend; tests use "aot_eager" to check tracing fast
 
     def buckets(self) -> tuple[int, ...]:
@@ -32,3 +36,12 @@ class RuntimeConfig:
             sizes.append(n)
             n *= 2
         return (*sizes, self.max_batch)
+
+    def lengths(self) -> tuple[int, ...]:
+        if self.length_buckets:
+            return tuple(sorted(set(self.length_buckets) | {self.max_len}))
+        sizes, n = [], 128
+        while n < self.max_len:
+            sizes.append(n)
+            n *= 2
+        return (*sizes, self.max_len)

@@ -35,6 +35,7 @@ class Request:
     top_p: float
     seed: int
     row: int = -1
+    position: int = 0  # absolute position of the next round's block slot 0 (the device's `start`)
     emitted: list[int] = field(default_factory=list)
     acceptance: list[int] = field(default_factory=list)  # tokens per round (accepted drafts + bonus)
     finished: bool = False
@@ -50,12 +51,17 @@ class Runtime:
         self.target, self.drafter = target, drafter
         self.block_size = 1 if drafter is None else (c.block_size or drafter.block_size)
         self.layer_ids = drafter.target_layer_ids if drafter is not None else ()
-        self.buckets = c.buckets()
+        self.buckets, self.lengths = c.buckets(), c.lengths()
+        if min(self.buckets) < 1 or max(self.buckets) > c.max_batch:
+            raise InputError(f"batch_buckets must lie in 1..max_batch ({c.max_batch}), got {self.buckets}")
+        if min(self.lengths) <= self.block_size or max(self.lengths) > c.max_len:
+            raise InputError(f"length_buckets must lie in {self.block_size + 1}..max_len ({c.max_len}), "
+                             f"got {self.lengths}")
         self.state = DecodeState.allocate(target, drafter, c.max_batch, c.max_len, self.block_size)
         mask_id = drafter.config.mask_token_id if drafter is not None else 0
         with torch.inference_mode():
-            self.rounds = build_rounds(target, drafter, self.state, self.buckets, c.backend, mask_id, self.layer_ids,
-                                       c.compile_backend)
+            self.rounds = build_rounds(target, drafter, self.state, self.buckets, self.lengths, c.backend, mask_id,
+                                       self.layer_ids, c.compile_backend)
         self.waiting: deque[Request] = deque()
         self.rows: list[Request | None] = [None] * c.max_batch
         self.free_rows = list(range(c.max_batch))  # a heap: lowest rows first keeps buckets small
@@ -99,12 +105,14 @@ class Runtime:
         if not live:
             return {}
         n = self.buckets[bisect.bisect_left(self.buckets, max(r.row for r in live) + 1)]
-        self.rounds[n]()
+        length = self.lengths[bisect.bisect_left(self.lengths, max(r.position for r in live) + self.block_size)]
+        self.rounds[n, length]()
         out = self.state.out[:n].tolist()  # the one host read of the round
         result = {}
         for req in live:
             count = out[req.row][0]
             req.acceptance.append(count - (0 if req.emitted else 1))  # the first round also reports prefill's token
+            req.position += req.acceptance[-1]
             tokens = out[req.row][1:1 + count][: req.max_new_tokens - len(req.emitted)]
             for i, tok in enumerate(tokens):
                 if tok in req.stop:
@@ -177,3 +185,5 @@ class Runtime:
         s.ctx_start[rows] = P
         s.fresh[rows] = True
         s.active[rows] = True
+        for req in group:
+            req.position = P

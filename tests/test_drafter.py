@@ -81,8 +81,8 @@ def target_features(target: Target, ids: torch.Tensor, layer_ids) -> torch.Tenso
 def poison(cache, seed: int) -> None:
     """Fill every cache entry with large random junk: only entries written since may be read."""
     gen = torch.Generator().manual_seed(seed)
-    cache.k.copy_(GARBAGE * torch.randn(cache.k.shape, generator=gen))
-    cache.v.copy_(GARBAGE * torch.randn(cache.v.shape, generator=gen))
+    for t in cache.tensors():
+        t.copy_(GARBAGE * torch.randn(t.shape, generator=gen))
 
 
 def block_of(token: torch.Tensor, drafter: Drafter) -> torch.Tensor:

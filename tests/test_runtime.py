@@ -25,6 +25,17 @@ def per_round(rt: Runtime, prompts, max_new_tokens):
     return [rt.requests[r].emitted for r in rids], [counts[r] for r in rids]
 
 
+def record_buckets(rt: Runtime) -> set[tuple[int, int]]:
+    """The (rows, length) buckets that `rt`'s steps run from now on."""
+    used = set()
+
+    def recording(key, run):
+        return lambda: (used.add(key), run())
+
+    rt.rounds = {key: recording(key, run) for key, run in rt.rounds.items()}
+    return used
+
+
 def reference_counts(out):
     """Tokens per round as the Runtime reports them: the first round also carries the prefill token."""
     counts = list(out.acceptance_lengths)
@@ -38,8 +49,10 @@ def reference_counts(out):
 def test_backends_match_reference_round(reference_pair, backend):
     target, drafter = reference_pair
     rt = Runtime(target, drafter, RuntimeConfig(max_batch=4, max_len=160, backend=backend,
-                                                compile_backend="aot_eager"))
+                                                length_buckets=(48, 80, 112), compile_backend="aot_eager"))
+    used = record_buckets(rt)
     outs, counts = per_round(rt, [c["prompt_ids"] for c in CASES], 64)
+    assert len({L for _, L in used}) >= 2, used
     for case, out, cnt in zip(CASES, outs, counts, strict=True):
         ref = dflow_rt.generate(target, drafter, case["prompt_ids"], max_new_tokens=64)
         assert out == ref.token_ids == case["output_ids"]
@@ -62,11 +75,13 @@ def test_dflow_relay_in_static_round_matches_reference_round(reference_pair):
 
 def test_no_recompiles_and_fixed_storage_over_200_rounds(reference_pair):
     target, drafter = reference_pair
+    torch._dynamo.reset()
     counters.clear()
     rt = Runtime(target, drafter, RuntimeConfig(max_batch=4, max_len=2048, backend="compile",
-                                                compile_backend="aot_eager"))
+                                                length_buckets=(48, 64, 96), compile_backend="aot_eager"))
     graphs = counters["stats"]["unique_graphs"]
-    assert graphs == len(rt.buckets)
+    assert graphs == len(rt.buckets), "one graph per batch bucket, the cache length symbolic"
+    used = record_buckets(rt)
     ptrs = [t.data_ptr() for t in rt.state.tensors()]
     rounds, sizes, accepted = 0, set(), set()
     rid_cycle = 0
@@ -85,6 +100,7 @@ def test_no_recompiles_and_fixed_storage_over_200_rounds(reference_pair):
     assert counters["stats"]["unique_graphs"] == graphs, "a step recompiled"
     assert [t.data_ptr() for t in rt.state.tensors()] == ptrs
     assert len(sizes) >= 3 and len(accepted) >= 3, (sizes, accepted)
+    assert len({n for n, _ in used}) >= 2 and len({L for _, L in used}) >= 3, used
 
 
 def test_requests_join_leave_and_cancel(reference_pair):

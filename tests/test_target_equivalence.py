@@ -169,8 +169,8 @@ def test_step_by_step_decode_matches_full_sequence(cfg, total, data):
 
     cache = target.new_cache(1, total + 8)
     gen = torch.Generator().manual_seed(cfg["seed"])
-    cache.k.copy_(100 * torch.randn(cache.k.shape, generator=gen))
-    cache.v.copy_(100 * torch.randn(cache.v.shape, generator=gen))
+    for t in cache.tensors():
+        t.copy_(100 * torch.randn(t.shape, generator=gen))
     rows = torch.zeros(1, dtype=torch.long)
     with torch.no_grad():
         bogus = (ids[:, prefix:] + 1) % cfg["vocab_size"]

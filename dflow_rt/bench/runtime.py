@@ -9,15 +9,18 @@ Two passes per configuration on identical requests:
 
 from __future__ import annotations
 
+import bisect
 import functools
 import platform
 import time
+from collections.abc import Callable
 
 import torch
 from tqdm import tqdm
 
 from dflow_rt.config import RuntimeConfig
 from dflow_rt.graphs import round as rnd
+from dflow_rt.graphs.runner import compile_static, compiling, mark_length_dynamic
 from dflow_rt.runtime import Runtime
 
 
@@ -39,16 +42,17 @@ def _runtime(target, drafter, backend: str, batch: int, prompts, max_new: int) -
 def end_to_end(target, drafter, backend: str, batch: int, prompts, rounds: int) -> dict:
     rt = _runtime(target, drafter, backend, batch, prompts, max_new=rounds * 20)
     device, round_time = rt.state.tokens.device, [0.0]
-    inner = rt.rounds[batch]
 
-    def timed() -> None:
-        _sync(device)
-        t = time.perf_counter()
-        inner()
-        _sync(device)
-        round_time[0] += time.perf_counter() - t
+    def timed(inner) -> Callable[[], None]:
+        def run() -> None:
+            _sync(device)
+            t = time.perf_counter()
+            inner()
+            _sync(device)
+            round_time[0] += time.perf_counter() - t
+        return run
 
-    rt.rounds[batch] = timed
+    rt.rounds = {key: timed(inner) for key, inner in rt.rounds.items()}
     for _ in range(3):
         rt.step()
     round_time[0], tokens = 0.0, 0
@@ -63,15 +67,20 @@ def end_to_end(target, drafter, backend: str, batch: int, prompts, rounds: int) 
 
 def phases(target, drafter, backend: str, batch: int, prompts, rounds: int) -> dict:
     rt = _runtime(target, drafter, backend, batch, prompts, max_new=rounds * 20)
-    s, device = rt.state.view(batch), rt.state.tokens.device
+    device = rt.state.tokens.device
+    views = {L: rt.state.view(batch, L) for L in rt.lengths}
     mask_id = drafter.config.mask_token_id if drafter is not None else 0
     fns = {"draft": functools.partial(rnd.draft, target, drafter, mask_token_id=mask_id),
            "verify": functools.partial(rnd.verify, target, layer_ids=rt.layer_ids), "commit": rnd.commit}
     if backend != "eager":
-        fns = {k: torch.compile(f, fullgraph=True, dynamic=False) for k, f in fns.items()}
+        for view in views.values():
+            mark_length_dynamic(view)
+        fns = {k: compile_static(f) for k, f in fns.items()}
     spent = dict.fromkeys(fns, 0.0)
 
     def run(timing: bool) -> None:
+        need = int(rt.state.start[:batch].max()) + rt.block_size  # as step() picks it (not timed)
+        s = views[rt.lengths[bisect.bisect_left(rt.lengths, need)]]
         t = time.perf_counter()
         block = fns["draft"](s)
         _sync(device)
@@ -86,8 +95,9 @@ def phases(target, drafter, backend: str, batch: int, prompts, rounds: int) -> d
                 spent[k] += dt
 
     with torch.inference_mode():
-        for _ in range(3):
-            run(False)
+        with compiling():
+            for _ in range(3):
+                run(False)
         for _ in range(rounds):
             run(True)
     return {f"{k}_ms": 1e3 * v / rounds for k, v in spent.items()}

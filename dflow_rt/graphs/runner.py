@@ -1,7 +1,8 @@
-"""Builds the callable that runs one round for a batch bucket, per backend."""
+"""Builds the callables that run one round per (batch, length) bucket, per backend."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 
@@ -10,43 +11,68 @@ import torch
 from dflow_rt.graphs.round import decode_round
 from dflow_rt.graphs.state import DecodeState
 
+Bucket = tuple[int, int]  # (rows, cache length)
 
-def build_rounds(target, drafter, state: DecodeState, buckets: tuple[int, ...], backend: str,
-                 mask_token_id: int, layer_ids: tuple[int, ...],
-                 compile_backend: str = "inductor") -> dict[int, Callable[[], None]]:
-    """One zero-argument callable per bucket size, each running the round on rows [0, n).
 
-    Compiled rounds are compiled here, once per bucket (no row is live yet, so these runs
-    change no request), so that no step ever compiles.
+def build_rounds(target, drafter, state: DecodeState, buckets: tuple[int, ...], lengths: tuple[int, ...],
+                 backend: str, mask_token_id: int, layer_ids: tuple[int, ...],
+                 compile_backend: str = "inductor") -> dict[Bucket, Callable[[], None]]:
+    """One zero-argument callable per (rows, length) bucket, running the round on rows [0, rows)
+    over cache positions [0, length).
+
+    Compiled rounds trace one graph per row count with the cache length symbolic, and every
+    bucket runs once here (no row is live yet, so these runs change no request): no step
+    ever compiles. Inductor freezes the weights, so a Runtime keeps the weights it was built with.
     """
+    views = {(n, L): state.view(n, L) for n in buckets for L in lengths}
     fn = functools.partial(decode_round, target, drafter, mask_token_id=mask_token_id, layer_ids=layer_ids)
     if backend != "eager":
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 2 * len(buckets))
-        fn = torch.compile(fn, fullgraph=True, dynamic=False, backend=compile_backend)
-    rounds = {n: functools.partial(fn, state.view(n)) for n in buckets}
-    if backend == "cudagraph":
-        return capture_cuda_graphs(rounds)
-    if backend == "compile":
-        for run in rounds.values():
-            run()
+        for view in views.values():
+            mark_length_dynamic(view)
+        fn = compile_static(fn, compile_backend)
+    rounds = {key: functools.partial(fn, view) for key, view in views.items()}
+    with compiling(compile_backend):
+        if backend == "cudagraph":
+            return capture_cuda_graphs(rounds)
+        if backend == "compile":
+            for run in rounds.values():
+                run()
     return rounds
 
 
-def capture_cuda_graphs(rounds: dict[int, Callable[[], None]]) -> dict[int, Callable[[], None]]:
+def compile_static(fn: Callable, compile_backend: str = "inductor") -> Callable:
+    """`fn` compiled whole at fixed shapes (bar lengths marked dynamic) on its first call."""
+    return torch.compile(fn, fullgraph=True, dynamic=False, backend=compile_backend)
+
+
+def compiling(compile_backend: str = "inductor") -> contextlib.AbstractContextManager:
+    """Where compiled rounds run first (and so compile): inductor freezes the weights, which
+    folds them into the graph as constants prepacked for the CPU GEMM library."""
+    return torch._inductor.config.patch(freezing=True) if compile_backend == "inductor" else contextlib.nullcontext()
+
+
+def mark_length_dynamic(view: DecodeState) -> None:
+    """Trace the cache length of `view` as a symbol: one graph serves every length bucket."""
+    for t in view.caches():
+        torch._dynamo.mark_dynamic(t, 2)
+
+
+def capture_cuda_graphs(rounds: dict[Bucket, Callable[[], None]]) -> dict[Bucket, Callable[[], None]]:
     """Capture each bucket's round, largest first so that the smaller ones fit in the pool
     the largest reserved. Warm-up runs (which also compile) go on a side stream first.
     Rows are inactive during capture, so the rounds run here move no request state.
     """
     pool, graphs = torch.cuda.graph_pool_handle(), {}
-    for n in sorted(rounds, reverse=True):
+    for key in sorted(rounds, reverse=True):
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(3):
-                rounds[n]()
+                rounds[key]()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
-            rounds[n]()
-        graphs[n] = graph.replay
+            rounds[key]()
+        graphs[key] = graph.replay
     return graphs

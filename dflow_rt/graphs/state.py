@@ -47,14 +47,23 @@ class DecodeState:
             relay=drafter.new_relay_buffer(rows, block_size) if drafter is not None else None,
         )
 
-    def view(self, n: int) -> DecodeState:
-        """The first `n` rows, sharing storage: the state of one batch bucket."""
+    def view(self, n: int, length: int | None = None) -> DecodeState:
+        """The first `n` rows, and caches cut to `length` positions, sharing storage: the
+        state of one (batch, length) bucket."""
         parts = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            parts[f.name] = value if f.name == "slots" or value is None else (
-                value[:n] if isinstance(value, torch.Tensor) else value.view(n))
+            if f.name == "slots" or value is None:
+                parts[f.name] = value
+            elif isinstance(value, torch.Tensor):
+                parts[f.name] = value[:n]
+            else:
+                parts[f.name] = value.view(n, length) if isinstance(value, KVCache) else value.view(n)
         return DecodeState(**parts)
+
+    def caches(self) -> list[torch.Tensor]:
+        """The key/value tensors, whose length axis (2) varies across length buckets."""
+        return [t for c in (self.target_cache, self.draft_cache) if c is not None for t in c.tensors()]
 
     def tensors(self) -> list[torch.Tensor]:
         """Every persistent buffer (for checks that storage never moves)."""
@@ -64,5 +73,5 @@ class DecodeState:
             if isinstance(value, torch.Tensor):
                 out.append(value)
             elif value is not None:
-                out += [t for t in vars(value).values() if isinstance(t, torch.Tensor)]
+                out += value.tensors()
         return out

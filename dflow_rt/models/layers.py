@@ -116,19 +116,28 @@ class DecoderLayer(nn.Module):
 
 
 class KVCache:
-    """Static key/value storage [layers, batch, kv_heads, max_len, head_dim].
+    """Static key/value storage: per layer, [batch, kv_heads, max_len, head_dim].
 
     Entries are addressed by absolute position. Rollback is bookkeeping: a stale entry is
-    never read because masks admit only positions the caller knows to be valid.
+    never read because masks admit only positions the caller knows to be valid. One tensor
+    per layer (not one 5-D tensor) so that a write is an in-place index_put on a whole graph
+    input: through a per-layer view, torch.compile rewrote it as a copy of the entire cache.
     """
 
     def __init__(self, layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str):
-        shape = (layers, batch, kv_heads, max_len, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.max_len = max_len
+        # One spare position that nothing addresses: every length view, the full one included,
+        # then has the same strides, so one compiled graph (symbolic length) serves them all.
+        shape = (batch, kv_heads, max_len + 1, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device)[:, :, :max_len] for _ in range(layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device)[:, :, :max_len] for _ in range(layers)]
         self.all_rows = torch.arange(batch, device=device)
+
+    @property
+    def max_len(self) -> int:
+        """Positions this cache (or view) holds; read off a tensor so that compiled code can
+        treat it as a symbolic size."""
+        return self.k[0].shape[2]
 
     def write(self, layer: int, rows: torch.Tensor | None, positions: torch.Tensor, k: torch.Tensor,
               v: torch.Tensor) -> None:
@@ -140,13 +149,18 @@ class KVCache:
         self.k[layer][idx] = k.transpose(1, 2)
         self.v[layer][idx] = v.transpose(1, 2)
 
-    def view(self, n: int) -> KVCache:
-        """The first `n` rows, sharing storage (a batch bucket of the static round)."""
+    def view(self, n: int, length: int | None = None) -> KVCache:
+        """The first `n` rows and `length` positions, sharing storage: what one round of a
+        (batch, length) bucket reads and writes, so attention spans live positions only."""
         out = object.__new__(KVCache)
-        out.k, out.v, out.max_len, out.all_rows = self.k[:, :n], self.v[:, :n], self.max_len, self.all_rows[:n]
+        out.k, out.v = [t[:n, :, :length] for t in self.k], [t[:n, :, :length] for t in self.v]
+        out.all_rows = self.all_rows[:n]
         return out
 
     def read(self, layer: int, rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         if rows is None:
             return self.k[layer], self.v[layer]
         return self.k[layer][rows], self.v[layer][rows]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [*self.k, *self.v]

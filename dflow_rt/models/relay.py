@@ -75,6 +75,9 @@ class RelayBuffer:
             setattr(out, name, value[:n])
         return out
 
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.features, self.accepted, self.bonus, self.rejected]
+
     def write(self, rows: torch.Tensor | None, features: torch.Tensor, block: torch.Tensor, verified: torch.Tensor,
               accepted: torch.Tensor) -> None:
         """Record one verify pass of `rows` (None: all): features [b, B, F], ids [b, B], accepted [b]."""
