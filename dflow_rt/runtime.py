@@ -91,8 +91,21 @@ class Runtime:
     def is_finished(self, rid: int) -> bool:
         return self.requests[rid].finished
 
+    def pop(self, rid: int) -> Request:
+        """Forget a finished request and return its record (tokens, per-round acceptance).
+
+        Records stay until popped, so a long-running caller of `step()` pops each request it
+        has seen finish; `stream` and `generate` pop their own.
+        """
+        if not self.requests[rid].finished:
+            raise InputError(f"request {rid} is still running: cancel it or step until it finishes")
+        return self.requests.pop(rid)
+
     def cancel(self, rid: int) -> None:
+        """Stop a request (waiting or running) now; a finished one is left as it is."""
         req = self.requests[rid]
+        if req.finished:
+            return
         if req in self.waiting:
             self.waiting.remove(req)
         self._finish(req)
@@ -128,16 +141,20 @@ class Runtime:
     def stream(self, prompt_ids, **kwargs) -> Iterator[list[int]]:
         """Tokens of one request as each round produces them (other requests keep stepping)."""
         rid = self.add_request(prompt_ids, **kwargs)
-        while not self.is_finished(rid):
-            tokens = self.step().get(rid)
-            if tokens:
-                yield tokens
+        try:
+            while not self.is_finished(rid):
+                tokens = self.step().get(rid)
+                if tokens:
+                    yield tokens
+        finally:  # also when the consumer stops early
+            self.cancel(rid)
+            self.pop(rid)
 
     def generate(self, prompts: Sequence[Sequence[int]], **kwargs) -> list[list[int]]:
         rids = [self.add_request(p, **kwargs) for p in prompts]
         while not all(self.is_finished(r) for r in rids):
             self.step()
-        return [self.requests[r].emitted for r in rids]
+        return [self.pop(r).emitted for r in rids]
 
     def _finish(self, req: Request) -> None:
         req.finished = True

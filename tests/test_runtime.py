@@ -22,7 +22,7 @@ def per_round(rt: Runtime, prompts, max_new_tokens):
     while not all(rt.is_finished(r) for r in rids):
         for rid, toks in rt.step().items():
             counts[rid].append(len(toks))
-    return [rt.requests[r].emitted for r in rids], [counts[r] for r in rids]
+    return [rt.pop(r).emitted for r in rids], [counts[r] for r in rids]
 
 
 def record_buckets(rt: Runtime) -> set[tuple[int, int]]:
@@ -120,6 +120,24 @@ def test_requests_join_leave_and_cancel(reference_pair):
     assert rt.requests[c].emitted == CASES[2]["output_ids"][:30]
     streamed = [t for piece in rt.stream(CASES[3]["prompt_ids"], max_new_tokens=20) for t in piece]
     assert streamed == CASES[3]["output_ids"][:20]
+
+
+def test_finished_requests_are_released(reference_pair):
+    """A long-running Runtime holds no record of requests it has handed back."""
+    target, drafter = reference_pair
+    rt = Runtime(target, drafter, RuntimeConfig(max_batch=2, max_len=160))
+    a = rt.add_request(CASES[0]["prompt_ids"], max_new_tokens=30)
+    rt.step()
+    with pytest.raises(dflow_rt.InputError, match="still running"):
+        rt.pop(a)
+    while not rt.is_finished(a):
+        rt.step()
+    req = rt.pop(a)
+    assert req.emitted == CASES[0]["output_ids"][:30] and 1 + sum(req.acceptance) >= 30  # plus the prefill token
+    assert rt.generate([CASES[1]["prompt_ids"]], max_new_tokens=10) == [CASES[1]["output_ids"][:10]]
+    for _ in rt.stream(CASES[2]["prompt_ids"], max_new_tokens=40):
+        break  # the consumer walks away: the request is cancelled and its row freed
+    assert rt.requests == {} and all(r is None for r in rt.rows) and sorted(rt.free_rows) == [0, 1]
 
 
 def test_stop_tokens_and_bad_requests(reference_pair):

@@ -87,4 +87,4 @@ def measure_tau(target, drafter, prompts: list[list[int]], suite: str = "", temp
         while not all(rt.is_finished(r) for r in rids):
             rt.step()
             bar.update(sum(rt.is_finished(r) for r in rids) - bar.n)
-    return TauResult(drafter.block_size, [rt.requests[r].acceptance for r in rids])
+    return TauResult(drafter.block_size, [rt.pop(r).acceptance for r in rids])
