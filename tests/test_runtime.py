@@ -59,6 +59,18 @@ def test_backends_match_reference_round(reference_pair, backend):
         assert cnt == reference_counts(ref)
 
 
+def test_inductor_round_matches_reference_round(reference_pair):
+    """The real compiler path (inductor, frozen weights, symbolic cache length), one bucket."""
+    target, drafter = reference_pair
+    rt = Runtime(target, drafter, RuntimeConfig(max_batch=1, max_len=160, backend="compile", length_buckets=(64,)))
+    used = record_buckets(rt)
+    outs, counts = per_round(rt, [c["prompt_ids"] for c in CASES[:3]], 64)
+    for case, out, cnt in zip(CASES[:3], outs, counts, strict=True):
+        ref = dflow_rt.generate(target, drafter, case["prompt_ids"], max_new_tokens=64)
+        assert out == ref.token_ids == case["output_ids"] and cnt == reference_counts(ref)
+    assert {L for _, L in used} == {64, 160}
+
+
 def test_dflow_relay_in_static_round_matches_reference_round(reference_pair):
     target, parent = reference_pair
     drafter = with_relay(parent, relay_hidden=32)
