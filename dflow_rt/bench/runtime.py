@@ -95,7 +95,7 @@ def phases(target, drafter, backend: str, batch: int, prompts, rounds: int) -> d
                 spent[k] += dt
 
     with torch.inference_mode():
-        with compiling():
+        with compiling("inductor", device):
             for _ in range(3):
                 run(False)
         for _ in range(rounds):

@@ -32,7 +32,7 @@ def build_rounds(target, drafter, state: DecodeState, buckets: tuple[int, ...], 
             mark_length_dynamic(view)
         fn = compile_static(fn, compile_backend)
     rounds = {key: functools.partial(fn, view) for key, view in views.items()}
-    with compiling(compile_backend):
+    with compiling(compile_backend, state.tokens.device):
         if backend == "cudagraph":
             return capture_cuda_graphs(rounds)
         if backend == "compile":
@@ -46,10 +46,13 @@ def compile_static(fn: Callable, compile_backend: str = "inductor") -> Callable:
     return torch.compile(fn, fullgraph=True, dynamic=False, backend=compile_backend)
 
 
-def compiling(compile_backend: str = "inductor") -> contextlib.AbstractContextManager:
-    """Where compiled rounds run first (and so compile): inductor freezes the weights, which
-    folds them into the graph as constants prepacked for the CPU GEMM library."""
-    return torch._inductor.config.patch(freezing=True) if compile_backend == "inductor" else contextlib.nullcontext()
+def compiling(compile_backend: str, device: torch.device) -> contextlib.AbstractContextManager:
+    """Where compiled rounds run first (and so compile). Inductor freezes the weights, which
+    folds them into the graph as constants (prepacked for the CPU GEMM library); on CPU its
+    wrapper around the kernels is C++, which saves about a millisecond of Python per round."""
+    if compile_backend != "inductor":
+        return contextlib.nullcontext()
+    return torch._inductor.config.patch(freezing=True, cpp_wrapper=device.type == "cpu")
 
 
 def mark_length_dynamic(view: DecodeState) -> None:
