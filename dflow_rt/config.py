@@ -29,19 +29,18 @@ class RuntimeConfig:
     compile_backend: str = "inductor"  # torch.compile backend; tests use "aot_eager" to check tracing fast
 
     def buckets(self) -> tuple[int, ...]:
-        if self.batch_buckets:
-            return tuple(sorted(set(self.batch_buckets) | {self.max_batch}))
-        sizes, n = [], 1
-        while n < self.max_batch:
-            sizes.append(n)
-            n *= 2
-        return (*sizes, self.max_batch)
+        return _sizes(self.batch_buckets, 1, self.max_batch)
 
     def lengths(self) -> tuple[int, ...]:
-        if self.length_buckets:
-            return tuple(sorted(set(self.length_buckets) | {self.max_len}))
-        sizes, n = [], 128
-        while n < self.max_len:
-            sizes.append(n)
+        return _sizes(self.length_buckets, 128, self.max_len)
+
+
+def _sizes(given: tuple[int, ...] | None, first: int, largest: int) -> tuple[int, ...]:
+    """`given` plus `largest`, sorted; by default powers of two from `first` up to `largest`."""
+    sizes = set(given or ())
+    if not given:
+        n = first
+        while n < largest:
+            sizes.add(n)
             n *= 2
-        return (*sizes, self.max_len)
+    return tuple(sorted(sizes | {largest}))

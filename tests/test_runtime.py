@@ -134,6 +134,14 @@ def test_requests_join_leave_and_cancel(reference_pair):
     assert streamed == CASES[3]["output_ids"][:20]
 
 
+def test_bad_buckets_are_refused(reference_pair):
+    target, drafter = reference_pair
+    for bad in ({"batch_buckets": (0,)}, {"batch_buckets": (5,)}, {"length_buckets": (drafter.block_size,)},
+                {"length_buckets": (200,)}):
+        with pytest.raises(dflow_rt.InputError, match="buckets"):
+            Runtime(target, drafter, RuntimeConfig(max_batch=4, max_len=160, **bad))
+
+
 def test_finished_requests_are_released(reference_pair):
     """A long-running Runtime holds no record of requests it has handed back."""
     target, drafter = reference_pair
