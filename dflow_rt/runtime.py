@@ -89,7 +89,7 @@ class Runtime:
         return rid
 
     def is_finished(self, rid: int) -> bool:
-        return self.requests[rid].finished
+        return self._request(rid).finished
 
     def pop(self, rid: int) -> Request:
         """Forget a finished request and return its record (tokens, per-round acceptance).
@@ -97,13 +97,13 @@ class Runtime:
         Records stay until popped, so a long-running caller of `step()` pops each request it
         has seen finish; `stream` and `generate` pop their own.
         """
-        if not self.requests[rid].finished:
+        if not self._request(rid).finished:
             raise InputError(f"request {rid} is still running: cancel it or step until it finishes")
         return self.requests.pop(rid)
 
     def cancel(self, rid: int) -> None:
         """Stop a request (waiting or running) now; a finished one is left as it is."""
-        req = self.requests[rid]
+        req = self._request(rid)
         if req.finished:
             return
         if req in self.waiting:
@@ -155,6 +155,11 @@ class Runtime:
         while not all(self.is_finished(r) for r in rids):
             self.step()
         return [self.pop(r).emitted for r in rids]
+
+    def _request(self, rid: int) -> Request:
+        if rid not in self.requests:
+            raise InputError(f"no request {rid}: never added, or already popped")
+        return self.requests[rid]
 
     def _finish(self, req: Request) -> None:
         req.finished = True

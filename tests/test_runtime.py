@@ -158,6 +158,8 @@ def test_finished_requests_are_released(reference_pair):
     for _ in rt.stream(CASES[2]["prompt_ids"], max_new_tokens=40):
         break  # the consumer walks away: the request is cancelled and its row freed
     assert rt.requests == {} and all(r is None for r in rt.rows) and sorted(rt.free_rows) == [0, 1]
+    with pytest.raises(dflow_rt.InputError, match="already popped"):
+        rt.is_finished(a)
 
 
 def test_stop_tokens_and_bad_requests(reference_pair):
