@@ -38,6 +38,21 @@ def cmd_generate(args: argparse.Namespace) -> None:
               file=sys.stderr if args.quiet_stats else sys.stdout)
 
 
+SMALL_TARGET = 50_000_000
+
+
+def set_threads(threads: int | None, target) -> None:
+    """`--threads`, or by default 1 for a small target on CPU: its ops are too small to gain
+    from splitting, and with a second thread every op waits for the slower core (decoding the
+    bundled model drops from ~60 to ~2 tokens/s when another job holds one of two cores)."""
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)
+    elif target.lm_head.weight.device.type == "cpu" and sum(p.numel() for p in target.parameters()) < SMALL_TARGET:
+        torch.set_num_threads(1)
+
+
 def _load_models(args: argparse.Namespace):
     """(target, drafter or None, tokenizer) from --target/--drafter/--device/--threads; bundled by default."""
     import torch
@@ -46,11 +61,10 @@ def _load_models(args: argparse.Namespace):
     from dflow_rt.models.checkpoint import load_drafter, load_target
     from dflow_rt.tokenizer import load_tokenizer
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     path = target_dir(args.target)
     target = load_target(path, device=device)
+    set_threads(args.threads, target)
     spec = None if args.drafter == "none" else drafter_dir(args.drafter)
     return target, load_drafter(spec, target) if spec else None, load_tokenizer(path)
 
@@ -96,7 +110,7 @@ def _model_args(p: argparse.ArgumentParser, drafter_help: str) -> None:
     p.add_argument("--drafter", default=None, help=drafter_help)
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--threads", type=int, default=None,
-                   help="CPU threads (small models decode fastest on 1, especially on a busy machine)")
+                   help="CPU threads [1 for targets under 50M parameters, else all cores]")
 
 
 def cmd_init_random(args: argparse.Namespace) -> None:
@@ -131,8 +145,6 @@ def cmd_bench(args: argparse.Namespace) -> None:
     from dflow_rt.models.init_random import init_random
     from dflow_rt.tokenizer import load_tokenizer
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     n = max(args.batches)
     if args.random_models:
@@ -141,6 +153,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
     elif args.target is None:  # the bundled pair, on held-out HumanEval prompts
         args.target, args.drafter = target_dir(None), drafter_dir(args.drafter or "dflash")
     target = load_target(args.target, device=device)
+    set_threads(args.threads, target)
     drafter = load_drafter(drafter_dir(args.drafter), target) if args.drafter else None
     if (Path(args.target) / "tokenizer.json").exists():
         prompt = suite_prompts(load_tokenizer(args.target), "code", 1, max_prompt_tokens=64)[0]
@@ -200,7 +213,7 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--backends", nargs="+", choices=["eager", "compile", "cudagraph"], default=None)
     b.add_argument("--batches", nargs="+", type=int, default=[1, 4])
     b.add_argument("--rounds", type=int, default=30)
-    b.add_argument("--threads", type=int, default=None)
+    b.add_argument("--threads", type=int, default=None, help="CPU threads [as for generate]")
     b.add_argument("--device", default=None)
     b.add_argument("--json", default=None, metavar="OUT")
     b.set_defaults(run=cmd_bench)
