@@ -15,9 +15,11 @@ class RuntimeConfig:
     shapes), or `cudagraph` (compiled and captured as CUDA graphs; CUDA only).
     batch_buckets: batch sizes the round is built for (default: powers of two up to
     max_batch); a step runs the smallest bucket that covers the live rows.
-    length_buckets: cache lengths the round is built for (default: powers of two from 128
-    up to max_len); a step attends over the smallest one that covers every live request's
-    next block, so attention costs what the live requests need, not max_len.
+    length_buckets: cache lengths the round is built for; a step attends over the smallest
+    one that covers every live request's next block, so attention costs what the live
+    requests need, not max_len. Default: every multiple of 64 from 128 up to max_len, or
+    powers of two from 128 for `cudagraph`, where each bucket is a captured graph (the
+    compiled round traces the length as a symbol, so there many buckets cost nothing).
     """
 
     max_batch: int = 8
@@ -32,15 +34,16 @@ class RuntimeConfig:
         return _sizes(self.batch_buckets, 1, self.max_batch)
 
     def lengths(self) -> tuple[int, ...]:
-        return _sizes(self.length_buckets, 128, self.max_len)
+        step = None if self.backend == "cudagraph" else 64
+        return _sizes(self.length_buckets, 128, self.max_len, step)
 
 
-def _sizes(given: tuple[int, ...] | None, first: int, largest: int) -> tuple[int, ...]:
-    """`given` plus `largest`, sorted; by default powers of two from `first` up to `largest`."""
+def _sizes(given: tuple[int, ...] | None, first: int, largest: int, step: int | None = None) -> tuple[int, ...]:
+    """`given` plus `largest`, sorted; by default `first`, then every `step` (or doubling) below `largest`."""
     sizes = set(given or ())
     if not given:
         n = first
         while n < largest:
             sizes.add(n)
-            n *= 2
+            n = n + step if step else 2 * n
     return tuple(sorted(sizes | {largest}))

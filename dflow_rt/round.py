@@ -15,6 +15,7 @@ import torch
 
 from dflow_rt.errors import InputError
 from dflow_rt.models.drafter import Drafter
+from dflow_rt.models.layers import reserve_positions
 from dflow_rt.models.target import Target
 
 
@@ -79,6 +80,7 @@ def generate(target: Target, drafter: Drafter | None, prompt_ids: Sequence[int] 
         raise InputError(f"prompt of {P} tokens + max_new_tokens {max_new_tokens} + block {B} exceeds "
                          f"the cache of {max_len} positions")
     stops = set(stop_token_ids or ())
+    reserve_positions(max_len, target, drafter)
     layer_ids = drafter.target_layer_ids if B > 1 else ()
     length = P + max_new_tokens + B
     rows = torch.zeros(1, dtype=torch.long, device=device)

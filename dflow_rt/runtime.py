@@ -20,6 +20,7 @@ from dflow_rt.config import BACKENDS, RuntimeConfig
 from dflow_rt.errors import InputError
 from dflow_rt.graphs.runner import build_rounds
 from dflow_rt.graphs.state import DecodeState
+from dflow_rt.models.layers import reserve_positions
 from dflow_rt.round import prompt_tensor
 from dflow_rt.sampling import sample
 
@@ -57,6 +58,7 @@ class Runtime:
         if min(self.lengths) <= self.block_size or max(self.lengths) > c.max_len:
             raise InputError(f"length_buckets must lie in {self.block_size + 1}..max_len ({c.max_len}), "
                              f"got {self.lengths}")
+        reserve_positions(c.max_len, target, drafter)
         self.state = DecodeState.allocate(target, drafter, c.max_batch, c.max_len, self.block_size)
         mask_id = drafter.config.mask_token_id if drafter is not None else 0
         with torch.inference_mode():
@@ -167,6 +169,7 @@ class Runtime:
             # The row keeps running as padding until it is reused: park it at position 0, where its
             # block always fits the cache (its last round may have left start within B of max_len).
             self.state.active[req.row] = False
+            self.state.temperature[req.row] = 0  # padding must not keep rounds on the sampling path
             self.state.start[req.row] = 0
             self.state.ctx_start[req.row] = 0
             heapq.heappush(self.free_rows, req.row)

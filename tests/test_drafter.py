@@ -245,6 +245,21 @@ def test_drafter_cache_accumulates_committed_context(case, n2, data):
     assert torch.equal(again, second)
 
 
+def test_rotary_tables_match_the_formula_past_a_reserve():
+    """Rotary tables are looked up by position; `reserve` grows them for longer caches."""
+    from dflow_rt.models.layers import Rotary
+
+    rotary = Rotary(16, 10_000.0, None, 32)
+    rotary.reserve(100)
+    pos = torch.tensor([0, 5, 31, 32, 99])
+    x = torch.randn(5, 2, 16)
+    cos, sin = rotary(pos[None], torch.float32)
+    rotated = x * cos[0].transpose(0, 1) + rotate_half(x) * sin[0].transpose(0, 1)
+    torch.testing.assert_close(rotated, ref_rope(x, pos, 10_000.0))
+    with pytest.raises(IndexError):
+        rotary(torch.tensor([[100]]), torch.float32)
+
+
 def test_default_target_layer_ids():
     from dflow_rt.models.drafter import build_target_layer_ids
 
@@ -304,7 +319,7 @@ def test_nested_drafter_config_schema_loads_identically(tmp_path):
 
     a, b = dflow_rt.load_drafter(flat, target), dflow_rt.load_drafter(nested, target)
     assert a.config == b.config == drafter.config
-    assert torch.equal(a.inv_freq, b.inv_freq)
+    assert torch.equal(a.rotary.inv_freq, b.rotary.inv_freq)
     assert torch.equal(draft_once(target, a), draft_once(target, b))
 
 
@@ -328,4 +343,4 @@ def test_saved_target_loads_in_transformers(tmp_path, model_type, tied, scaling)
     assert max_diff(ours, theirs) <= 1e-4
     reloaded = dflow_rt.load_target(tmp_path)
     assert reloaded.config == target.config
-    assert torch.equal(reloaded.inv_freq, target.inv_freq)
+    assert torch.equal(reloaded.rotary.inv_freq, target.rotary.inv_freq)

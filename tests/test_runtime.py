@@ -60,7 +60,8 @@ def test_backends_match_reference_round(reference_pair, backend):
 
 
 def test_inductor_round_matches_reference_round(reference_pair):
-    """The real compiler path (inductor, frozen weights, symbolic cache length), one bucket."""
+    """The real compiler path (inductor, frozen weights, symbolic cache length, the sampler
+    behind torch.cond), one bucket: greedy rounds as the reference, sampled ones as eager."""
     target, drafter = reference_pair
     rt = Runtime(target, drafter, RuntimeConfig(max_batch=1, max_len=160, backend="compile", length_buckets=(64,)))
     used = record_buckets(rt)
@@ -69,6 +70,25 @@ def test_inductor_round_matches_reference_round(reference_pair):
         ref = dflow_rt.generate(target, drafter, case["prompt_ids"], max_new_tokens=64)
         assert out == ref.token_ids == case["output_ids"] and cnt == reference_counts(ref)
     assert {L for _, L in used} == {64, 160}
+    eager = Runtime(target, drafter, RuntimeConfig(max_batch=1, max_len=160))
+    kw = {"max_new_tokens": 48, "temperature": 1.0, "top_p": 0.9, "seed": 3}
+    assert rt.generate([CASES[0]["prompt_ids"]], **kw) == eager.generate([CASES[0]["prompt_ids"]], **kw)
+
+
+@pytest.mark.parametrize("backend", ["eager", "compile"])
+def test_greedy_and_sampled_rows_share_a_round(reference_pair, backend):
+    """Greedy rounds skip the sampler on CPU; a batch mixing greedy and sampled rows must
+    still give each request exactly the tokens it gets alone."""
+    target, drafter = reference_pair
+    cfg = RuntimeConfig(max_batch=4, max_len=160, backend=backend, compile_backend="aot_eager")
+    rt, alone = Runtime(target, drafter, cfg), Runtime(target, drafter, RuntimeConfig(max_batch=1, max_len=160))
+    kws = [{}, {"temperature": 1.0, "seed": 5}, {}, {"temperature": 0.8, "top_k": 4, "seed": 6}]
+    rids = [rt.add_request(c["prompt_ids"], max_new_tokens=40, **kw) for c, kw in zip(CASES, kws, strict=False)]
+    while not all(rt.is_finished(r) for r in rids):
+        rt.step()
+    for rid, case, kw in zip(rids, CASES, kws, strict=False):
+        assert rt.pop(rid).emitted == alone.generate([case["prompt_ids"]], max_new_tokens=40, **kw)[0]
+    assert not rt.state.temperature.any(), "finished rows must not leave rounds on the sampling path"
 
 
 def test_dflow_relay_in_static_round_matches_reference_round(reference_pair):

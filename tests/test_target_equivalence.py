@@ -249,7 +249,7 @@ def test_rope_parameters_and_flat_rope_theta_agree(tmp_path):
         ref_logits, _ = hf_reference(hf, ids)
         a, b = dflow_rt.load_target(new), dflow_rt.load_target(flat)
         assert a.config.rope_theta == b.config.rope_theta == rope["rope_theta"]
-        assert torch.equal(a.inv_freq, b.inv_freq)
+        assert torch.equal(a.rotary.inv_freq, b.rotary.inv_freq)
         logits_a, _ = prefill(a, ids)
         logits_b, _ = prefill(b, ids)
         assert torch.equal(logits_a, logits_b)
@@ -269,7 +269,7 @@ def test_llama3_rope_scaling(seed, head_dim, tied, prompt_len):
         target = dflow_rt.load_target(save_hf(hf, tmp))
     assert target.config.rope_scaling["rope_type"] == "llama3"
     plain = 1.0 / (10_000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
-    ratio = target.inv_freq / plain
+    ratio = target.rotary.inv_freq / plain
     kept, divided = torch.isclose(ratio, torch.tensor(1.0)), torch.isclose(ratio, torch.tensor(1 / 8))
     assert kept.any() and divided.any() and (~kept & ~divided).any()  # all three bands are exercised
     logits, features = prefill(target, ids, (0, 1))

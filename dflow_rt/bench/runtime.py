@@ -1,10 +1,10 @@
 """`dflow-rt bench --suite runtime`: decode speed of Runtime.step() per backend and batch size.
 
 Two passes per configuration on identical requests:
-1. end to end: `step()` wall time, split into the round itself and host work (admission
-   excluded: requests are admitted before timing starts), and tokens/s;
+1. end to end: `step()` wall time (median step), split into the round itself and host work
+   (admission excluded: requests are admitted before timing starts), and tokens/s;
 2. phases: the draft, verify and accept+carry phases run (and, for compiled backends,
-   compiled) separately on a second Runtime, to show where a round's time goes.
+   compiled) separately on a second Runtime, to show where a round's time goes (medians).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import bisect
 import functools
 import platform
+import statistics
 import time
 from collections.abc import Callable
 
@@ -20,7 +21,7 @@ from tqdm import tqdm
 
 from dflow_rt.config import RuntimeConfig
 from dflow_rt.graphs import round as rnd
-from dflow_rt.graphs.runner import compile_static, compiling, mark_length_dynamic
+from dflow_rt.graphs.runner import compile_static, compiling, greedy_shortcut, mark_length_dynamic
 from dflow_rt.runtime import Runtime
 
 
@@ -39,30 +40,50 @@ def _runtime(target, drafter, backend: str, batch: int, prompts, max_new: int) -
     return rt
 
 
-def end_to_end(target, drafter, backend: str, batch: int, prompts, rounds: int) -> dict:
-    rt = _runtime(target, drafter, backend, batch, prompts, max_new=rounds * 20)
-    device, round_time = rt.state.tokens.device, [0.0]
+def end_to_end(target, drafter, configs: list[tuple[str, int]], prompts, rounds: int, chunk: int = 5) -> list[dict]:
+    """`step()` timings of every (backend, batch) configuration, interleaved.
 
-    def timed(inner) -> Callable[[], None]:
-        def run() -> None:
-            _sync(device)
-            t = time.perf_counter()
-            inner()
-            _sync(device)
-            round_time[0] += time.perf_counter() - t
-        return run
+    All Runtimes are built (and compiled) first; then each runs `chunk` steps in turn until
+    each has run `rounds`, so that slow drift in the machine's load (a shared VM's steal
+    time) reaches every configuration alike. Each step is timed alone and the figures use
+    the median step: one preempted step moves a mean, not a median.
+    """
+    runtimes, timers = [], []
+    for backend, batch in configs:
+        rt = _runtime(target, drafter, backend, batch, prompts, max_new=rounds * 20)
+        device, spent = rt.state.tokens.device, [0.0]
 
-    rt.rounds = {key: timed(inner) for key, inner in rt.rounds.items()}
-    for _ in range(3):
-        rt.step()
-    round_time[0], tokens = 0.0, 0
-    start = time.perf_counter()
-    for _ in range(rounds):
-        tokens += sum(len(t) for t in rt.step().values())
-    total = time.perf_counter() - start
-    return {"tokens_per_s": tokens / total, "round_ms": 1e3 * total / rounds,
-            "host_ms": 1e3 * (total - round_time[0]) / rounds, "host_frac": (total - round_time[0]) / total,
-            "tokens_per_round": tokens / rounds / batch}
+        def timed(inner, spent=spent, device=device) -> Callable[[], None]:
+            def run() -> None:
+                _sync(device)
+                t = time.perf_counter()
+                inner()
+                _sync(device)
+                spent[0] += time.perf_counter() - t
+            return run
+
+        rt.rounds = {key: timed(inner) for key, inner in rt.rounds.items()}
+        for _ in range(3):
+            rt.step()
+        runtimes.append(rt)
+        timers.append(spent)
+    steps: list[list[tuple[float, float, int]]] = [[] for _ in configs]  # (step s, round s, tokens)
+    for done in range(0, rounds, chunk):
+        for rt, spent, record in zip(runtimes, timers, steps, strict=True):
+            for _ in range(min(chunk, rounds - done)):
+                spent[0] = 0.0
+                t = time.perf_counter()
+                tokens = sum(len(v) for v in rt.step().values())
+                record.append((time.perf_counter() - t, spent[0], tokens))
+    rows = []
+    for (_, batch), record in zip(configs, steps, strict=True):
+        step_s = statistics.median(r[0] for r in record)
+        host_s = statistics.median(r[0] - r[1] for r in record)
+        tokens = sum(r[2] for r in record) / len(record)
+        rows.append({"tokens_per_s": tokens / step_s, "round_ms": 1e3 * step_s, "host_ms": 1e3 * host_s,
+                     "host_frac": host_s / step_s, "tokens_per_round": tokens / batch,
+                     "mean_tokens_per_s": sum(r[2] for r in record) / sum(r[0] for r in record)})
+    return rows
 
 
 def phases(target, drafter, backend: str, batch: int, prompts, rounds: int) -> dict:
@@ -71,12 +92,13 @@ def phases(target, drafter, backend: str, batch: int, prompts, rounds: int) -> d
     views = {L: rt.state.view(batch, L) for L in rt.lengths}
     mask_id = drafter.config.mask_token_id if drafter is not None else 0
     fns = {"draft": functools.partial(rnd.draft, target, drafter, mask_token_id=mask_id),
-           "verify": functools.partial(rnd.verify, target, layer_ids=rt.layer_ids), "commit": rnd.commit}
+           "verify": functools.partial(rnd.verify, target, layer_ids=rt.layer_ids,
+                                       greedy_shortcut=greedy_shortcut(device)), "commit": rnd.commit}
     if backend != "eager":
         for view in views.values():
             mark_length_dynamic(view)
         fns = {k: compile_static(f) for k, f in fns.items()}
-    spent = dict.fromkeys(fns, 0.0)
+    spent: dict[str, list[float]] = {k: [] for k in fns}
 
     def run(timing: bool) -> None:
         need = int(rt.state.start[:batch].max()) + rt.block_size  # as step() picks it (not timed)
@@ -92,7 +114,7 @@ def phases(target, drafter, backend: str, batch: int, prompts, rounds: int) -> d
         _sync(device)
         if timing:
             for k, dt in zip(spent, (t1 - t, t2 - t1, time.perf_counter() - t2), strict=True):
-                spent[k] += dt
+                spent[k].append(dt)
 
     with torch.inference_mode():
         with compiling("inductor", device):
@@ -100,21 +122,18 @@ def phases(target, drafter, backend: str, batch: int, prompts, rounds: int) -> d
                 run(False)
         for _ in range(rounds):
             run(True)
-    return {f"{k}_ms": 1e3 * v / rounds for k, v in spent.items()}
+    return {f"{k}_ms": 1e3 * statistics.median(v) for k, v in spent.items()}
 
 
 def bench_runtime(target, drafter, prompts: list[list[int]], backends: list[str], batches: list[int],
                   rounds: int) -> dict:
     """Figures for every (backend, batch) pair, plus the machine they were measured on."""
     device = target.lm_head.weight.device
-    rows = []
-    for backend in tqdm(backends, desc="backends"):
-        for batch in batches:
-            with torch.inference_mode():
-                row = {"backend": backend, "batch": batch}
-                row |= end_to_end(target, drafter, backend, batch, prompts, rounds)
-            row |= phases(target, drafter, backend, batch, prompts, rounds)
-            rows.append(row)
+    configs = [(backend, batch) for backend in backends for batch in batches]
+    with torch.inference_mode():
+        rows = end_to_end(target, drafter, configs, prompts, rounds)
+    for (backend, batch), row in zip(tqdm(configs, desc="phases"), rows, strict=True):
+        row |= {"backend": backend, "batch": batch} | phases(target, drafter, backend, batch, prompts, rounds)
     return {"suite": "runtime", "rows": rows, "rounds": rounds,
             "machine": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
             or platform.machine(), "threads": torch.get_num_threads(), "torch": torch.__version__,

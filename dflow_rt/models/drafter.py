@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import nn
 
-from dflow_rt.models.layers import DecoderLayer, KVCache, RMSNorm, rope_cos_sin, rope_inv_freq
+from dflow_rt.models.layers import DecoderLayer, KVCache, RMSNorm, Rotary
 from dflow_rt.models.relay import Relay, RelayBuffer, shift_to_slots
 
 
@@ -59,8 +59,7 @@ class Drafter(nn.Module):
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.fc = nn.Linear(len(c.target_layer_ids) * c.hidden_size, c.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.register_buffer("inv_freq", rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling),
-                             persistent=False)
+        self.rotary = Rotary(c.head_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings)
         self.relay = Relay(c.hidden_size, c.relay_hidden) if c.relay_hidden else None
         self.use_relay = self.relay is not None  # switch off to ablate the relay at inference
 
@@ -96,7 +95,7 @@ class Drafter(nn.Module):
         k/v projections to the same `hidden_norm(fc(features))`.
         """
         ctx = self.hidden_norm(self.fc(ctx_feat))
-        cos, sin = rope_cos_sin(ctx_pos, self.inv_freq, ctx.dtype)
+        cos, sin = self.rotary(ctx_pos, ctx.dtype)
         for i, layer in enumerate(self.layers):
             k, v = layer.self_attn.key_value(ctx, cos, sin)
             cache.write(i, rows, ctx_pos, k, v)
@@ -111,7 +110,7 @@ class Drafter(nn.Module):
         """
         if ctx_feat is not None:
             self.write_context(ctx_feat, ctx_pos, cache, rows)
-        cos, sin = rope_cos_sin(block_pos, self.inv_freq, block_emb.dtype)
+        cos, sin = self.rotary(block_pos, block_emb.dtype)
         batch, size = block_pos.shape
         committed = torch.arange(cache.max_len, device=block_pos.device) < block_pos[:, :1, None]
         mask = torch.cat([committed.expand(-1, size, -1), committed.new_ones(batch, size, size)], dim=-1)

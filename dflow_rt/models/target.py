@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from dflow_rt.models.layers import DecoderLayer, KVCache, RMSNorm, rope_cos_sin, rope_inv_freq
+from dflow_rt.models.layers import DecoderLayer, KVCache, RMSNorm, Rotary
 
 ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}
 
@@ -63,8 +63,7 @@ class Target(nn.Module):
         self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
         if c.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.register_buffer("inv_freq", rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling),
-                             persistent=False)
+        self.rotary = Rotary(c.head_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings)
 
     @property
     def embed_tokens(self) -> nn.Embedding:
@@ -84,7 +83,7 @@ class Target(nn.Module):
         len(layer_ids) * hidden] or None).
         """
         h = self.model.embed_tokens(ids)
-        cos, sin = rope_cos_sin(positions, self.inv_freq, h.dtype)
+        cos, sin = self.rotary(positions, h.dtype)
         keys = positions[:, None, :] if cache is None else torch.arange(cache.max_len, device=ids.device)
         mask = keys <= positions[:, :, None]
         picked = {}

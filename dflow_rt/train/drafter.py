@@ -31,7 +31,7 @@ from torch import nn
 from dflow_rt.errors import InputError
 from dflow_rt.models.checkpoint import load_drafter, load_target, save_model
 from dflow_rt.models.drafter import Drafter, DrafterConfig, build_target_layer_ids, with_relay
-from dflow_rt.models.layers import rope_cos_sin
+from dflow_rt.models.layers import Rotary
 from dflow_rt.models.relay import RelayBuffer
 from dflow_rt.models.target import Target
 from dflow_rt.tokenizer import load_tokenizer, stop_token_ids
@@ -74,10 +74,10 @@ def block_mask(ctx_len: int, starts: torch.Tensor, B: int, causal: bool) -> torc
     return torch.cat([ctx, own.expand(b, -1, -1)], dim=-1)
 
 
-def run_layers(layers, h: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, mask: torch.Tensor,
+def run_layers(layers, h: torch.Tensor, pos: torch.Tensor, rotary: Rotary, mask: torch.Tensor,
                ctx_kv: list | None = None, record: list | None = None, pick: tuple[int, ...] = ()):
     """Decoder layers over `h` whose keys are [ctx_kv[i] ; own]; returns (h, {layer: output} of `pick`)."""
-    cos, sin = rope_cos_sin(pos, inv_freq, h.dtype)
+    cos, sin = rotary(pos, h.dtype)
     picked = {}
     for i, layer in enumerate(layers):
         def attend(attn, x, i=i):
@@ -99,7 +99,7 @@ def target_context(target: Target, ids: torch.Tensor, layer_ids: tuple[int, ...]
     Layers above it and the head are skipped: the drafter never reads them."""
     pos = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
     kv: list = []
-    _, picked = run_layers(target.model.layers[:max(layer_ids) + 1], target.embed_tokens(ids), pos, target.inv_freq,
+    _, picked = run_layers(target.model.layers[:max(layer_ids) + 1], target.embed_tokens(ids), pos, target.rotary,
                            pos[:, None, :] <= pos[:, :, None], record=kv, pick=layer_ids)
     return torch.cat([picked[i] for i in layer_ids], dim=-1), kv
 
@@ -111,7 +111,7 @@ def target_verify(target: Target, kv: list, blocks: torch.Tensor, starts: torch.
     pos = (starts[..., None] + torch.arange(B, device=blocks.device)).flatten(1)
     mask = block_mask(kv[0][0].shape[2], starts, B, causal=True)
     _, picked = run_layers(target.model.layers[:max(layer_ids) + 1], target.embed_tokens(blocks), pos,
-                           target.inv_freq, mask, ctx_kv=kv, pick=layer_ids)
+                           target.rotary, mask, ctx_kv=kv, pick=layer_ids)
     return torch.cat([picked[i] for i in layer_ids], dim=-1)
 
 
@@ -119,7 +119,7 @@ def drafter_context(drafter: Drafter, feats: torch.Tensor) -> list:
     """Per-layer context K/V, as `Drafter.write_context` caches them (shared by all blocks and rounds)."""
     ctx = drafter.hidden_norm(drafter.fc(feats))
     pos = torch.arange(feats.shape[1], device=feats.device).expand(feats.shape[:2])
-    cos, sin = rope_cos_sin(pos, drafter.inv_freq, ctx.dtype)
+    cos, sin = drafter.rotary(pos, ctx.dtype)
     return [layer.self_attn.key_value(ctx, cos, sin) for layer in drafter.layers]
 
 
@@ -128,7 +128,7 @@ def draft_hidden(drafter: Drafter, ctx_kv: list, emb: torch.Tensor, starts: torc
     B = drafter.block_size
     pos = (starts[..., None] + torch.arange(B, device=emb.device)).flatten(1)
     mask = block_mask(ctx_kv[0][0].shape[2], starts, B, causal=False)
-    h, _ = run_layers(drafter.layers, emb, pos, drafter.inv_freq, mask, ctx_kv=ctx_kv)
+    h, _ = run_layers(drafter.layers, emb, pos, drafter.rotary, mask, ctx_kv=ctx_kv)
     return drafter.norm(h)
 
 
