@@ -57,7 +57,7 @@ def compiling(compile_backend: str, device: torch.device) -> contextlib.Abstract
     """Where compiled rounds run first (and so compile). Inductor freezes the weights, which
     folds them into the graph as constants (prepacked for the CPU GEMM library) and lets it
     merge projections of the same input (q/k/v, gate/up) into one GEMM, which inductor does
-    on CUDA by default and on CPU when asked (5-8 % of a batch-4 round here). On CPU its
+    on CUDA by default and on CPU when asked (2-8 % of a batch-4 round here). On CPU its
     wrapper around the kernels is C++, which saves about a millisecond of Python per round."""
     if compile_backend != "inductor":
         return contextlib.nullcontext()
