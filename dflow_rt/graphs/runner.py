@@ -20,9 +20,10 @@ def build_rounds(target, drafter, state: DecodeState, buckets: tuple[int, ...], 
     """One zero-argument callable per (rows, length) bucket, running the round on rows [0, rows)
     over cache positions [0, length).
 
-    Compiled rounds trace one graph per row count with the cache length symbolic, and every
-    bucket runs once here (no row is live yet, so these runs change no request): no step
-    ever compiles. Inductor freezes the weights, so a Runtime keeps the weights it was built with.
+    Compiled rounds trace one graph per row count with the cache length symbolic; each row
+    count runs here at its shortest and longest length (no row is live yet, so these runs
+    change no request): no step ever compiles (tested over lengths in between). Inductor
+    freezes the weights, so a Runtime keeps the weights it was built with.
     On CPU, all-greedy rounds skip the sampler (`round.verify`).
     """
     views = {(n, L): state.view(n, L) for n in buckets for L in lengths}
@@ -37,9 +38,10 @@ def build_rounds(target, drafter, state: DecodeState, buckets: tuple[int, ...], 
     with compiling(compile_backend, state.tokens.device):
         if backend == "cudagraph":
             return capture_cuda_graphs(rounds)
-        if backend == "compile":
-            for run in rounds.values():
-                run()
+        if backend == "compile":  # the graph has a symbolic length: the shortest and longest bucket
+            for n in buckets:      # of each row count compile it and check its guards at both ends
+                for L in (lengths[0], lengths[-1]):
+                    rounds[n, L]()
     return rounds
 
 
