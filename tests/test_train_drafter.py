@@ -186,6 +186,31 @@ def test_dflow_relay_inputs_match_the_inference_round(reference_pair):
     assert checked >= 8
 
 
+def test_base_first_round_routes_later_rounds_to_the_relay_alone(reference_pair):
+    """With `base_first_round`, the shared weights get exactly the DFlash loss's gradient (round 1) and the
+    relay gets the later rounds' gradient, the same as the default objective gives the relay."""
+    target, parent = reference_pair
+    drafter = with_relay(parent, relay_hidden=32, seed=0)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in drafter.relay.parameters():
+            p.normal_(0, 0.5)
+    ids = sequence(CASES[0], target, drafter)
+    batch = (ids, torch.tensor([ids.shape[1]]), torch.tensor([[2, 9, 20]]), torch.ones(1, 3, dtype=torch.bool))
+
+    def grads(**kwargs) -> dict[str, torch.Tensor]:
+        drafter.zero_grad(set_to_none=True)
+        DraftObjective(drafter, target, 7.0, **kwargs)(*batch)[0].backward()
+        return {n: p.grad.clone() if p.grad is not None else torch.zeros_like(p) for n, p in drafter.named_parameters()}
+
+    split, dflash, joint = grads(rounds=3, base_first_round=True), grads(rounds=1), grads(rounds=3)
+    relay = [n for n in split if n.startswith("relay.")]
+    assert relay and all(split[n].abs().sum() > 0 for n in relay)
+    for n in split:
+        torch.testing.assert_close(split[n], joint[n] if n in relay else dflash[n], atol=1e-6, rtol=1e-5)
+    assert not torch.allclose(joint["fc.weight"], dflash["fc.weight"])  # the default routes later rounds to all
+
+
 # ---------------------------------------------------------------------------------------- data
 
 def test_regen_writes_target_greedy_continuations_of_training_prompts(tiny_dir, data_file, tmp_path):
@@ -291,8 +316,15 @@ def test_dflow_training_writes_a_loadable_dflow_drafter(tiny_dir, data_file, dfl
     # From scratch: a fresh DFlow drafter (zero-init relay) of the requested shape.
     scratch = tmp_path / "scratch"
     assert run_cli(["dflow", "--target", str(tiny_dir), "--data", str(data_file), "--out", str(scratch), *RUN,
-                    "--steps", "1"]) == 0
+                    "--steps", "1", "--base-first-round"]) == 0
     assert json.loads((scratch / "config.json").read_text())["dflow_config"]["relay_hidden"] == 64
+    assert log(scratch)[0]["settings"]["base_first_round"] is True
+    # `train dflash --init` continues a DFlash drafter (here at a negligible lr) and refuses a DFlow one.
+    data = ["--target", str(tiny_dir), "--data", str(data_file), *RUN, "--steps", "1"]
+    assert run_cli(["dflash", *data, "--out", str(tmp_path / "bad"), "--init", str(out)]) == 2
+    assert run_cli(["dflash", *data, "--out", str(tmp_path / "cont"), "--init", str(dflash_run), "--lr", "1e-12"]) == 0
+    cont = load_file(tmp_path / "cont" / "model.safetensors")
+    assert all(torch.allclose(cont[k], parent[k], atol=1e-6) for k in parent)
 
 
 def test_relay_learning_rate_scale(reference_pair):

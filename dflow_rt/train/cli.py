@@ -133,14 +133,18 @@ def _drafter_parser(p: argparse.ArgumentParser, dflow: bool) -> None:
     p.add_argument("--data", required=True, help="sequences written by `dflow-rt train regen`")
     p.add_argument("--out", required=True, help="output drafter directory (checkpoint/ and train_log.jsonl inside)")
     m = p.add_argument_group("drafter (a resumed run keeps its own)")
+    m.add_argument("--init", help=("start from this DFlash (converted with a zero-init relay) or DFlow drafter"
+                                   if dflow else "continue this DFlash drafter (fresh optimizer and schedule)")
+                   + "; it fixes the shape (--block-size, --layers, ... are then ignored)")
     if dflow:
-        m.add_argument("--init", help="start from this DFlash (converted with a zero-init relay) or DFlow "
-                       "drafter; it fixes the shape (--block-size, --layers, ... are then ignored)")
         m.add_argument("--relay-hidden", type=int, help="relay MLP width [target hidden size]")
         m.add_argument("--relay-lr-scale", type=float, help="relay learning rate / --lr [1.0]")
         m.add_argument("--base-lr-scale", type=float,
                        help="learning rate of the DFlash weights / --lr; 0 trains the relay alone [1.0]")
         m.add_argument("--rounds", type=int, help="rounds unrolled per anchor [3]")
+        m.add_argument("--base-first-round", action="store_const", const=True,
+                       help="the DFlash weights learn from round 1 (the DFlash loss) alone, the relay from the "
+                       "later rounds: the relay-off drafter trains as DFlash would")
     m.add_argument("--block-size", type=int, help="B [16]")
     m.add_argument("--layers", type=int, help="drafter decoder layers [2]")
     m.add_argument("--target-layers", help="comma-separated conditioning layers [build_target_layer_ids]")

@@ -11,7 +11,8 @@ verified ONLINE by the frozen target (the proposed block on top of the clean con
 acceptance and the next anchor come from matching drafts against the ground truth; the next round's
 mask slots get relays built by the inference code itself (`RelayBuffer.write`,
 `Drafter.relay_embeddings`), so slot mapping and c/d cannot drift from the runtime. Drafts are
-argmax: no gradient crosses rounds. Round losses are summed.
+argmax: no gradient crosses rounds. Round losses are summed; with `base_first_round` the shared
+weights learn from round 1 (the DFlash loss) and the relay alone from the later rounds.
 
 The batched forwards below reuse the models' modules (`key_value`/`query`/`output`); tests check
 them against the inference forwards.
@@ -49,9 +50,9 @@ from dflow_rt.train.regen import (
 # Settings that define a run (a resumed run keeps its own). `batch` is per rank, like the target's.
 DFLASH_DEFAULTS = {"block_size": 16, "layers": 2, "target_layers": None, "mask_token_id": None, "anchors": 32,
                    "lr": 1e-3, "gamma": "auto", "warmup": 50, "min_lr_ratio": 0.1, "weight_decay": 0.01, "clip": 1.0,
-                   "seed": 0, "steps": None, "minutes": None, "eval_seqs": 16}
-DFLOW_DEFAULTS = {**DFLASH_DEFAULTS, "init": None, "relay_hidden": None, "relay_lr_scale": 1.0,
-                  "base_lr_scale": 1.0, "rounds": 3}
+                   "seed": 0, "steps": None, "minutes": None, "eval_seqs": 16, "init": None}
+DFLOW_DEFAULTS = {**DFLASH_DEFAULTS, "relay_hidden": None, "relay_lr_scale": 1.0, "base_lr_scale": 1.0, "rounds": 3,
+                  "base_first_round": False}
 
 
 def auto_gamma(block_size: int) -> float:
@@ -132,18 +133,51 @@ def draft_hidden(drafter: Drafter, ctx_kv: list, emb: torch.Tensor, starts: torc
     return drafter.norm(h)
 
 
+class DraftPass(nn.Module):
+    """One draft pass of N blocks per row, the relay (if any) added to the block embeddings. A module of
+    its own so that `torch.func.functional_call` can rerun it with the shared weights detached."""
+
+    def __init__(self, drafter: Drafter):
+        super().__init__()
+        self.drafter = drafter
+
+    def forward(self, ctx_kv: list, emb: torch.Tensor, starts: torch.Tensor, relay: RelayBuffer | None,
+                embed: nn.Embedding) -> torch.Tensor:
+        if relay is not None:
+            emb = emb + self.drafter.relay_embeddings(embed, relay, None).view_as(emb)
+        return draft_hidden(self.drafter, ctx_kv, emb, starts)
+
+
 class DraftObjective(nn.Module):
     """Loss and statistics of one batch; `rounds` = 1 is DFlash, 3 is DFlow self-conditioning.
 
-    Holds the drafter as its only submodule (the frozen target stays out of the state dict, the
+    Holds the drafter as its only parameters (the frozen target stays out of the state dict, the
     optimizer and DDP), so a DDP wrapper around it synchronises exactly the drafter's gradients.
+    `base_first_round`: the shared (DFlash) weights learn from round 1 alone, which is the DFlash loss,
+    and rounds 2.. train the relay alone, so the relay-off drafter trains as a DFlash drafter would.
     """
 
-    def __init__(self, drafter: Drafter, target: Target, gamma: float, rounds: int = 1):
+    def __init__(self, drafter: Drafter, target: Target, gamma: float, rounds: int = 1,
+                 base_first_round: bool = False):
         super().__init__()
-        self.drafter, self._frozen, self.rounds = drafter, (target,), rounds
+        self.draft, self._frozen, self.rounds = DraftPass(drafter), (target,), rounds
+        self.base_first_round = base_first_round
         k = torch.arange(drafter.block_size, dtype=torch.float32)
         self.register_buffer("weights", torch.where(k >= 1, torch.exp(-(k - 1) / gamma), 0.0), persistent=False)
+
+    @property
+    def drafter(self) -> Drafter:
+        return self.draft.drafter
+
+    def draft_pass(self, ctx_kv: list, emb: torch.Tensor, starts: torch.Tensor, relay: RelayBuffer | None,
+                   relay_alone: bool) -> torch.Tensor:
+        """Drafter hidden states; with `relay_alone`, gradients reach the relay's own weights only."""
+        embed = self._frozen[0].embed_tokens
+        if not relay_alone:
+            return self.draft(ctx_kv, emb, starts, relay, embed)
+        shared = {n: p.detach() for n, p in self.draft.named_parameters() if not n.startswith("drafter.relay.")}
+        ctx_kv = [(k.detach(), v.detach()) for k, v in ctx_kv]
+        return torch.func.functional_call(self.draft, shared, (ctx_kv, emb, starts, relay, embed))
 
     def forward(self, ids: torch.Tensor, lengths: torch.Tensor, starts: torch.Tensor, ok: torch.Tensor,
                 trace: list | None = None, rounds: int | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -165,10 +199,9 @@ class DraftObjective(nn.Module):
             truth = ids.gather(1, pos.clamp(max=L - 1).flatten(1)).view(b, N, B)
             block = torch.full_like(truth, d.config.mask_token_id)
             block[..., 0] = truth[..., 0]
-            emb = t.embed_tokens(block.flatten(1))
-            if relay is not None:
-                emb = emb + d.relay_embeddings(t.embed_tokens, relay, None).view_as(emb)
-            logits = t.lm_head(draft_hidden(d, ctx_kv, emb, starts).view(b, N, B, -1)[:, :, 1:])
+            hidden = self.draft_pass(ctx_kv, t.embed_tokens(block.flatten(1)), starts, relay,
+                                     self.base_first_round and r > 1)
+            logits = t.lm_head(hidden.view(b, N, B, -1)[:, :, 1:])
             w = self.weights[1:] * valid[..., 1:]
             ce = F.cross_entropy(logits.flatten(0, 2).float(), truth[..., 1:].flatten(), reduction="none")
             loss = (ce.view_as(w) * w).sum() / w.sum().clamp(min=1e-9)
@@ -334,7 +367,7 @@ def resolve_settings(kind: str, given: dict, out: Path, resume: bool) -> tuple[d
     if state is None or state["run"].get("kind") != kind:
         raise InputError(f"--resume: no {kind} checkpoint in {out}" + (f" (it holds a {state['run'].get('kind')} "
                                                                         "run)" if state else ""))
-    settings = state["run"]["settings"]
+    settings = {**defaults, **state["run"]["settings"]}  # settings added since the run started keep their default
     clash = [f"--{k.replace('_', '-')} {v} (checkpoint: {settings[k]})" for k, v in given.items()
              if v is not None and v != settings[k]]
     if clash:
@@ -343,10 +376,15 @@ def resolve_settings(kind: str, given: dict, out: Path, resume: bool) -> tuple[d
 
 
 def build_drafter(kind: str, target: Target, target_dir: Path, s: dict) -> Drafter:
-    """A fresh drafter shaped by the target (DFlow: from --init, converted with a zero-init relay if DFlash)."""
+    """A fresh drafter shaped by the target, or the --init drafter (DFlow: a DFlash one converted with a
+    zero-init relay)."""
     t = target.config
-    if kind == "dflow" and s["init"]:
+    if s["init"]:
         parent = load_drafter(s["init"], target)
+        if kind == "dflash":
+            if parent.relay is not None:
+                raise InputError(f"--init {s['init']}: a DFlow drafter; `train dflash` continues DFlash drafters")
+            return parent
         return parent if parent.relay is not None else with_relay(parent, s["relay_hidden"] or t.hidden_size, s["seed"])
     mask = s["mask_token_id"]
     if mask is None and (target_dir / "tokenizer.json").exists():
@@ -392,7 +430,8 @@ def train_drafter(kind: str, target_dir: str | Path, data: str | Path, out: str 
                build_drafter(kind, target, target_dir, settings)).to(dev).train()
     B, s, layer_ids = drafter.block_size, settings, drafter.target_layer_ids
     gamma = auto_gamma(B) if s["gamma"] == "auto" else float(s["gamma"])
-    objective = DraftObjective(drafter, target, gamma, rounds=s["rounds"] if kind == "dflow" else 1).to(dev)
+    objective = DraftObjective(drafter, target, gamma, rounds=s["rounds"] if kind == "dflow" else 1,
+                               base_first_round=s.get("base_first_round", False)).to(dev)
     ddp = torch.nn.parallel.DistributedDataParallel
     forward = (ddp(objective, broadcast_buffers=False, device_ids=[dev] if dev.type == "cuda" else None)
                if d.world > 1 else objective)
