@@ -22,13 +22,13 @@ from dflow_rt.models.target import Target, TargetConfig
 from dflow_rt.tokenizer import load_tokenizer, train_tokenizer
 from dflow_rt.train import data, regen
 from dflow_rt.train.cli import main
-from dflow_rt.train.drafter import (
+from dflow_rt.train.drafter import make_optimizer
+from dflow_rt.train.objective import (
     DraftObjective,
     auto_gamma,
     block_mask,
     draft_hidden,
     drafter_context,
-    make_optimizer,
     target_context,
 )
 from tests.conftest import FIXTURES

@@ -1,21 +1,6 @@
-"""DFlash and DFlow drafter training on target-regenerated sequences (DESIGN §1).
+"""Drafter training runs (`dflow-rt train dflash|dflow`): settings, optimizer, the loop's task, export.
 
-DFlash: random anchors p per sequence; block `[x_p, MASK x (B-1)]` at positions p..p+B-1 sees the
-frozen target's features of positions STRICTLY before p (the anchor's feature does not exist yet at
-inference), itself bidirectionally and no other block; slot k predicts x_{p+k} (same position), slot 0
-is unsupervised; CE weighted exp(-(k-1)/gamma). A sequence's anchor blocks share one context
-projection and attend under one [N*B, ctx + N*B] mask: one target pass and one drafter pass a batch.
-
-DFlow: that round unrolled 3 times per anchor with shared weights. Each round's greedy drafts are
-verified ONLINE by the frozen target (the proposed block on top of the clean context, no_grad);
-acceptance and the next anchor come from matching drafts against the ground truth; the next round's
-mask slots get relays built by the inference code itself (`RelayBuffer.write`,
-`Drafter.relay_embeddings`), so slot mapping and c/d cannot drift from the runtime. Drafts are
-argmax: no gradient crosses rounds. Round losses are summed; with `base_first_round` the shared
-weights learn from round 1 (the DFlash loss) and the relay alone from the later rounds.
-
-The batched forwards below reuse the models' modules (`key_value`/`query`/`output`); tests check
-them against the inference forwards.
+The objective itself (DFlash loss, DFlow self-conditioning rounds) is in `dflow_rt.train.objective`.
 """
 
 from __future__ import annotations
@@ -26,17 +11,15 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dflow_rt.errors import InputError
 from dflow_rt.models.checkpoint import load_drafter, load_target, save_model
 from dflow_rt.models.drafter import Drafter, DrafterConfig, build_target_layer_ids, with_relay
-from dflow_rt.models.layers import Rotary
-from dflow_rt.models.relay import RelayBuffer
 from dflow_rt.models.target import Target
 from dflow_rt.tokenizer import load_tokenizer, stop_token_ids
 from dflow_rt.train import loop
+from dflow_rt.train.objective import DraftObjective, auto_gamma
 from dflow_rt.train.regen import (
     AnchorBatches,
     collate,
@@ -54,193 +37,6 @@ DFLASH_DEFAULTS = {"block_size": 16, "layers": 2, "target_layers": None, "mask_t
 DFLOW_DEFAULTS = {**DFLASH_DEFAULTS, "relay_hidden": None, "relay_lr_scale": 1.0, "base_lr_scale": 1.0, "rounds": 3,
                   "base_first_round": False}
 
-
-def auto_gamma(block_size: int) -> float:
-    """Loss decay: 7 at B = 16 (the public recipe), 4 at B = 8 (DESIGN §7), linear in between."""
-    return max(1.0, 4.0 + (block_size - 8) * 3 / 8)
-
-
-# ------------------------------------------------------------------------------------- forwards
-
-def block_mask(ctx_len: int, starts: torch.Tensor, B: int, causal: bool) -> torch.Tensor:
-    """[b, N*B, ctx_len + N*B]: block n sees context positions < starts[:, n] and only itself
-    (bidirectionally for drafting, causally for verifying)."""
-    b, N = starts.shape
-    ctx = torch.arange(ctx_len, device=starts.device) < starts[..., None]
-    ctx = ctx[:, :, None].expand(b, N, B, ctx_len).reshape(b, N * B, ctx_len)
-    idx = torch.arange(N * B, device=starts.device)
-    own = (idx[:, None] // B) == (idx[None, :] // B)
-    if causal:
-        own = own & (idx[None, :] <= idx[:, None])
-    return torch.cat([ctx, own.expand(b, -1, -1)], dim=-1)
-
-
-def run_layers(layers, h: torch.Tensor, pos: torch.Tensor, rotary: Rotary, mask: torch.Tensor,
-               ctx_kv: list | None = None, record: list | None = None, pick: tuple[int, ...] = ()):
-    """Decoder layers over `h` whose keys are [ctx_kv[i] ; own]; returns (h, {layer: output} of `pick`)."""
-    cos, sin = rotary(pos, h.dtype)
-    picked = {}
-    for i, layer in enumerate(layers):
-        def attend(attn, x, i=i):
-            k, v = attn.key_value(x, cos, sin)
-            if record is not None:
-                record.append((k, v))
-            if ctx_kv is not None:
-                k, v = torch.cat([ctx_kv[i][0], k], dim=2), torch.cat([ctx_kv[i][1], v], dim=2)
-            return attn.output(attn.query(x, cos, sin), k, v, mask)
-
-        h = layer(h, attend)
-        if i in pick:
-            picked[i] = h
-    return h, picked
-
-
-def target_context(target: Target, ids: torch.Tensor, layer_ids: tuple[int, ...]):
-    """Clean causal pass up to the deepest conditioning layer: (features [b, L, K*H], per-layer K/V).
-    Layers above it and the head are skipped: the drafter never reads them."""
-    pos = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
-    kv: list = []
-    _, picked = run_layers(target.model.layers[:max(layer_ids) + 1], target.embed_tokens(ids), pos, target.rotary,
-                           pos[:, None, :] <= pos[:, :, None], record=kv, pick=layer_ids)
-    return torch.cat([picked[i] for i in layer_ids], dim=-1), kv
-
-
-def target_verify(target: Target, kv: list, blocks: torch.Tensor, starts: torch.Tensor,
-                  layer_ids: tuple[int, ...]) -> torch.Tensor:
-    """Verify features [b, N*B, K*H] of proposed blocks [b, N*B], each on top of its clean context."""
-    B = blocks.shape[1] // starts.shape[1]
-    pos = (starts[..., None] + torch.arange(B, device=blocks.device)).flatten(1)
-    mask = block_mask(kv[0][0].shape[2], starts, B, causal=True)
-    _, picked = run_layers(target.model.layers[:max(layer_ids) + 1], target.embed_tokens(blocks), pos,
-                           target.rotary, mask, ctx_kv=kv, pick=layer_ids)
-    return torch.cat([picked[i] for i in layer_ids], dim=-1)
-
-
-def drafter_context(drafter: Drafter, feats: torch.Tensor) -> list:
-    """Per-layer context K/V, as `Drafter.write_context` caches them (shared by all blocks and rounds)."""
-    ctx = drafter.hidden_norm(drafter.fc(feats))
-    pos = torch.arange(feats.shape[1], device=feats.device).expand(feats.shape[:2])
-    cos, sin = drafter.rotary(pos, ctx.dtype)
-    return [layer.self_attn.key_value(ctx, cos, sin) for layer in drafter.layers]
-
-
-def draft_hidden(drafter: Drafter, ctx_kv: list, emb: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
-    """`Drafter.forward` for N blocks per row at once: emb [b, N*B, H] -> normed hidden [b, N*B, H]."""
-    B = drafter.block_size
-    pos = (starts[..., None] + torch.arange(B, device=emb.device)).flatten(1)
-    mask = block_mask(ctx_kv[0][0].shape[2], starts, B, causal=False)
-    h, _ = run_layers(drafter.layers, emb, pos, drafter.rotary, mask, ctx_kv=ctx_kv)
-    return drafter.norm(h)
-
-
-class DraftPass(nn.Module):
-    """One draft pass of N blocks per row, the relay (if any) added to the block embeddings. A module of
-    its own so that `torch.func.functional_call` can rerun it with the shared weights detached."""
-
-    def __init__(self, drafter: Drafter):
-        super().__init__()
-        self.drafter = drafter
-
-    def forward(self, ctx_kv: list, emb: torch.Tensor, starts: torch.Tensor, relay: RelayBuffer | None,
-                embed: nn.Embedding) -> torch.Tensor:
-        if relay is not None:
-            emb = emb + self.drafter.relay_embeddings(embed, relay, None).view_as(emb)
-        return draft_hidden(self.drafter, ctx_kv, emb, starts)
-
-
-class DraftObjective(nn.Module):
-    """Loss and statistics of one batch; `rounds` = 1 is DFlash, 3 is DFlow self-conditioning.
-
-    Holds the drafter as its only parameters (the frozen target stays out of the state dict, the
-    optimizer and DDP), so a DDP wrapper around it synchronises exactly the drafter's gradients.
-    `base_first_round`: the shared (DFlash) weights learn from round 1 alone, which is the DFlash loss,
-    and rounds 2.. train the relay alone, so the relay-off drafter trains as a DFlash drafter would.
-    """
-
-    def __init__(self, drafter: Drafter, target: Target, gamma: float, rounds: int = 1,
-                 base_first_round: bool = False):
-        super().__init__()
-        self.draft, self._frozen, self.rounds = DraftPass(drafter), (target,), rounds
-        self.base_first_round = base_first_round
-        k = torch.arange(drafter.block_size, dtype=torch.float32)
-        self.register_buffer("weights", torch.where(k >= 1, torch.exp(-(k - 1) / gamma), 0.0), persistent=False)
-
-    @property
-    def drafter(self) -> Drafter:
-        return self.draft.drafter
-
-    def draft_pass(self, ctx_kv: list, emb: torch.Tensor, starts: torch.Tensor, relay: RelayBuffer | None,
-                   relay_alone: bool) -> torch.Tensor:
-        """Drafter hidden states; with `relay_alone`, gradients reach the relay's own weights only."""
-        embed = self._frozen[0].embed_tokens
-        if not relay_alone:
-            return self.draft(ctx_kv, emb, starts, relay, embed)
-        shared = {n: p.detach() for n, p in self.draft.named_parameters() if not n.startswith("drafter.relay.")}
-        ctx_kv = [(k.detach(), v.detach()) for k, v in ctx_kv]
-        return torch.func.functional_call(self.draft, shared, (ctx_kv, emb, starts, relay, embed))
-
-    def forward(self, ids: torch.Tensor, lengths: torch.Tensor, starts: torch.Tensor, ok: torch.Tensor,
-                trace: list | None = None, rounds: int | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """ids [b, L] (padded), lengths [b], anchors starts/ok [b, N] -> (summed loss, stats sums).
-
-        Unrolled from the prompt's end for many `rounds`, these are exactly the rounds `generate` runs
-        on that sequence (a relay-less drafter skips the verify pass), so evaluation can measure tau."""
-        d, t, B = self.drafter, self._frozen[0], self.drafter.block_size
-        rounds, use_relay = rounds or self.rounds, d.relay is not None and d.use_relay
-        (b, N), L, layer_ids = starts.shape, ids.shape[1], d.target_layer_ids
-        with torch.no_grad():
-            feats, target_kv = target_context(t, ids, layer_ids)
-        ctx_kv = drafter_context(d, feats)
-        slots = torch.arange(B, device=ids.device)
-        total, stats, relay = 0.0, {}, None
-        for r in range(1, rounds + 1):
-            pos = starts[..., None] + slots
-            valid = (pos < lengths[:, None, None]) & ok[..., None]
-            truth = ids.gather(1, pos.clamp(max=L - 1).flatten(1)).view(b, N, B)
-            block = torch.full_like(truth, d.config.mask_token_id)
-            block[..., 0] = truth[..., 0]
-            hidden = self.draft_pass(ctx_kv, t.embed_tokens(block.flatten(1)), starts, relay,
-                                     self.base_first_round and r > 1)
-            logits = t.lm_head(hidden.view(b, N, B, -1)[:, :, 1:])
-            w = self.weights[1:] * valid[..., 1:]
-            ce = F.cross_entropy(logits.flatten(0, 2).float(), truth[..., 1:].flatten(), reduction="none")
-            loss = (ce.view_as(w) * w).sum() / w.sum().clamp(min=1e-9)
-            total = total + loss
-            drafts = logits.detach().argmax(-1)
-            hit = (drafts == truth[..., 1:]) & valid[..., 1:]
-            accepted = hit.long().cumprod(-1).sum(-1)  # a: leading drafts equal to the ground truth
-            stats.update({f"loss{r}": loss.detach(), f"blocks{r}": ok.sum(), f"tau{r}": ((accepted + 1) * ok).sum(),
-                          f"hits{r}": hit.sum((0, 1)), f"slots{r}": valid[..., 1:].sum((0, 1))})
-            if trace is not None:
-                trace.append({"starts": starts, "drafts": drafts, "accepted": accepted})
-            nxt_starts = starts + accepted + 1
-            nxt_ok = ok & (nxt_starts + 1 < lengths[:, None])  # a next round with something left to draft
-            if r == rounds or (rounds != self.rounds and not nxt_ok.any()):  # training: every rank, every round
-                break
-            if use_relay:
-                relay = self.relay_inputs(ids, target_kv, block, drafts, starts, accepted)
-                if trace is not None:
-                    trace[-1]["relay"] = relay
-            starts, ok = nxt_starts, nxt_ok
-        return total, stats
-
-    @torch.no_grad()
-    def relay_inputs(self, ids: torch.Tensor, target_kv: list, block: torch.Tensor, drafts: torch.Tensor,
-                     starts: torch.Tensor, accepted: torch.Tensor) -> RelayBuffer:
-        """Verify the drafts online and record the pass in a `RelayBuffer`, as the inference round does."""
-        d, t, (b, N, B) = self.drafter, self._frozen[0], block.shape
-        verify = torch.cat([block[..., :1], drafts], dim=-1)
-        vfeat = target_verify(t, target_kv, verify.flatten(1), starts, d.target_layer_ids)
-        # The verifier's argmax at each block position is the ground truth's next token (the data is
-        # the target's greedy output), so RelayBuffer.write takes c = x_{p'} and d = the first rejected draft.
-        pos = (starts[..., None] + torch.arange(1, B + 1, device=ids.device)).clamp(max=ids.shape[1] - 1)
-        relay = d.new_relay_buffer(b * N, B)
-        relay.write(None, vfeat.view(b * N, B, -1), verify.view(b * N, B), ids.gather(1, pos.flatten(1)).view(b * N, B),
-                    accepted.flatten())
-        return relay
-
-
-# ------------------------------------------------------------------------------------- training
 
 class ScaledAdamW(torch.optim.AdamW):
     """AdamW whose groups may carry an `lr_scale` (the relay's): the shared loop sets one lr on all groups."""
