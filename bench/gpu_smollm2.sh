@@ -48,7 +48,8 @@ run)
   fi
   dr train dflash "${common[@]}" --out $W/dflash "${full[@]}"
   dr train dflash "${common[@]}" --out $W/dflash-base "${base[@]}"
-  dr train dflow "${common[@]}" --out $W/dflow --init $W/dflash-base --lr 2e-4 "${rest[@]}"
+  # The relay alone on the frozen base: the DFlow recipe that measured best on CPU (docs/RESULTS.md).
+  dr train dflow "${common[@]}" --out $W/dflow --init $W/dflash-base --lr 1e-3 --base-lr-scale 0 "${rest[@]}"
   for T in 0 1; do
     for d in dflash dflow; do
       dr eval-tau --target $M --drafter $W/$d --suite code --temperature $T --batch 32 --limit ${LIMIT:-164} --max-new-tokens ${EVAL_NEW:-128} --json > $W/tau_${d}_T$T.json
