@@ -56,6 +56,16 @@ def sequence(case: dict, target, drafter, n: int = 64) -> torch.Tensor:
     return torch.tensor([case["prompt_ids"] + out.token_ids])
 
 
+def random_relay(parent):
+    """`parent` as a DFlow drafter whose relay has random non-zero weights (it changes drafts)."""
+    drafter = with_relay(parent, relay_hidden=32, seed=0)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in drafter.relay.parameters():
+            p.normal_(0, 0.5)
+    return drafter
+
+
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory) -> Path:
     """A random 4-layer Qwen3 (sharp enough logits for varied greedy text) with a byte-level tokenizer."""
@@ -144,12 +154,7 @@ def test_rounds_unrolled_from_the_prompt_are_the_rounds_of_generate(reference_pa
 def test_dflow_relay_inputs_match_the_inference_round(reference_pair):
     """Unrolled from the prompt's first round, training drafts, accepts and relays exactly what
     `dflow_rt.generate` does: same drafts, a, c (bonus), d (first rejected draft), slot mapping, relay."""
-    target, parent = reference_pair
-    drafter = with_relay(parent, relay_hidden=32, seed=0)
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for p in drafter.relay.parameters():
-            p.normal_(0, 0.5)
+    target, drafter = reference_pair[0], random_relay(reference_pair[1])
     checked = 0
     for case in CASES:
         seen = {"drafts": [], "relay": []}
@@ -189,12 +194,7 @@ def test_dflow_relay_inputs_match_the_inference_round(reference_pair):
 def test_base_first_round_routes_later_rounds_to_the_relay_alone(reference_pair):
     """With `base_first_round`, the shared weights get exactly the DFlash loss's gradient (round 1) and the
     relay gets the later rounds' gradient, the same as the default objective gives the relay."""
-    target, parent = reference_pair
-    drafter = with_relay(parent, relay_hidden=32, seed=0)
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for p in drafter.relay.parameters():
-            p.normal_(0, 0.5)
+    target, drafter = reference_pair[0], random_relay(reference_pair[1])
     ids = sequence(CASES[0], target, drafter)
     batch = (ids, torch.tensor([ids.shape[1]]), torch.tensor([[2, 9, 20]]), torch.ones(1, 3, dtype=torch.bool))
 
