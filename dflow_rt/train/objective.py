@@ -129,7 +129,8 @@ class DraftObjective(nn.Module):
     Holds the drafter as its only parameters (the frozen target stays out of the state dict, the
     optimizer and DDP), so a DDP wrapper around it synchronises exactly the drafter's gradients.
     `base_first_round`: the shared (DFlash) weights learn from round 1 alone, which is the DFlash loss,
-    and rounds 2.. train the relay alone, so the relay-off drafter trains as a DFlash drafter would.
+    and rounds 2.. train the relay alone, so the relay-off drafter gets DFlash updates (up to the anchor
+    draws, which leave room for 3 rounds, and the gradient clip, whose norm includes the relay's).
     """
 
     def __init__(self, drafter: Drafter, target: Target, gamma: float, rounds: int = 1,
