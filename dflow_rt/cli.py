@@ -127,7 +127,8 @@ def cmd_convert(args: argparse.Namespace) -> None:
     parent = load_drafter(args.from_dflash, None)
     if parent.relay is not None:
         raise DflowError(f"{args.from_dflash}: already a DFlow drafter (it has 'dflow_config')")
-    out = save_model(with_relay(parent, args.relay_hidden or parent.config.hidden_size, args.seed), args.out)
+    out = save_model(with_relay(parent, args.relay_hidden or parent.config.hidden_size, args.seed, args.relay_input),
+                     args.out)
     print(f"wrote {out}: DFlow drafter with a zero-initialised relay (drafts exactly like its parent)")
 
 
@@ -203,6 +204,8 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--from-dflash", required=True, metavar="DIR")
     c.add_argument("--out", required=True, metavar="DIR")
     c.add_argument("--relay-hidden", type=int, default=None, help="relay MLP width (default: hidden size)")
+    c.add_argument("--relay-input", choices=("mask_embedding", "kv"), default="mask_embedding",
+                   help="where the relay enters the draft pass: added to the mask embeddings, or as keys/values")
     c.add_argument("--seed", type=int, default=0)
     c.set_defaults(run=cmd_convert)
     b = sub.add_parser("bench", help="benchmarks (figures for docs/RESULTS.md)")

@@ -167,6 +167,8 @@ def test_missing_required_config_field(pair, target, kind, field):
     ("drafter", set_fields(rope_scaling={"type": "dynamic"}), "'rope_scaling' type 'dynamic'"),
     ("drafter", set_fields(block_size=0), "'block_size' must be a positive integer"),
     ("drafter", set_fields(head_dim=None, num_attention_heads="4"), "'num_attention_heads'"),
+    ("drafter", set_fields(dflow_config={"relay_hidden": 8, "relay_input": "keys"}),
+     "'dflow_config.relay_input' must be one of mask_embedding, kv, got 'keys'"),
 ])
 def test_invalid_config_field(pair, target, kind, change, field):
     path = edit_config(pair[kind], change)

@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
@@ -49,7 +50,9 @@ def test_relay_embeddings_follow_the_formula(reference_pair):
     block, verified = torch.randint(0, 23, (1, B)), torch.randint(0, 23, (1, B))
     a = 5
     buf.write(torch.tensor([0]), feats, block, verified, torch.tensor([a]))
-    got = drafter.relay_embeddings(E, buf, torch.tensor([0]))[0]
+    got, valid = drafter.relay_embeddings(E, buf, torch.tensor([0]))
+    got = got[0]
+    assert valid[0].tolist() == [1 <= j <= B - 1 - a for j in range(B)]
     sd = drafter.state_dict()
     for j in range(B):
         if not 1 <= j <= B - 1 - a:
@@ -64,9 +67,10 @@ def test_relay_embeddings_follow_the_formula(reference_pair):
         torch.testing.assert_close(got[j], expected, atol=1e-4, rtol=1e-4)
 
 
-def test_converted_drafter_drafts_exactly_like_its_parent(reference_pair):
+@pytest.mark.parametrize("relay_input", ["mask_embedding", "kv"])
+def test_converted_drafter_drafts_exactly_like_its_parent(reference_pair, relay_input):
     target, parent = reference_pair
-    converted = with_relay(parent, relay_hidden=32, seed=3)
+    converted = with_relay(parent, relay_hidden=32, seed=3, relay_input=relay_input)
     assert converted.relay is not None and converted.use_relay
     for case in CASES:
         a = dflow_rt.generate(target, parent, case["prompt_ids"], max_new_tokens=case["max_new_tokens"])
@@ -74,9 +78,10 @@ def test_converted_drafter_drafts_exactly_like_its_parent(reference_pair):
         assert a.token_ids == b.token_ids and a.acceptance_lengths == b.acceptance_lengths
 
 
-def test_relay_changes_drafts_but_not_output(reference_pair):
+@pytest.mark.parametrize("relay_input", ["mask_embedding", "kv"])
+def test_relay_changes_drafts_but_not_output(reference_pair, relay_input):
     target, parent = reference_pair
-    drafter = randomise_relay(with_relay(parent, relay_hidden=32), seed=0)
+    drafter = randomise_relay(with_relay(parent, relay_hidden=32, relay_input=relay_input), seed=0)
     changed = 0
     for case in CASES:
         on = dflow_rt.generate(target, drafter, case["prompt_ids"], max_new_tokens=48)
@@ -108,13 +113,15 @@ def test_relay_buffer_keeps_its_storage(reference_pair):
 
 @settings(max_examples=25)
 @given(seed=st.integers(0, 10_000), vocab=st.integers(3, 10), block_size=st.sampled_from([2, 4, 8, 16]),
-       prompt_len=st.integers(1, 16), max_new_tokens=st.integers(1, 48))
-def test_dflow_is_lossless(seed, vocab, block_size, prompt_len, max_new_tokens):
+       prompt_len=st.integers(1, 16), max_new_tokens=st.integers(1, 48),
+       relay_input=st.sampled_from(["mask_embedding", "kv"]))
+def test_dflow_is_lossless(seed, vocab, block_size, prompt_len, max_new_tokens, relay_input):
     from tests.helpers import hf_greedy
 
     hf = tiny_hf_target(seed, vocab=vocab, layers=2)
     target = ours_from_hf(hf)
-    drafter = randomise_relay(with_relay(tiny_drafter(target, seed), relay_hidden=16, seed=seed), seed)
+    drafter = randomise_relay(with_relay(tiny_drafter(target, seed), relay_hidden=16, seed=seed,
+                                         relay_input=relay_input), seed)
     prompt = torch.randint(0, vocab, (prompt_len,), generator=torch.Generator().manual_seed(seed)).tolist()
     out = dflow_rt.generate(target, drafter, prompt, max_new_tokens=max_new_tokens, block_size=block_size)
     assert out.token_ids == hf_greedy(hf, prompt, max_new_tokens)
@@ -143,3 +150,11 @@ def test_convert_command_writes_a_loadable_dflow_checkpoint(reference_pair, tmp_
         b = dflow_rt.generate(target, converted, case["prompt_ids"], max_new_tokens=32)
         assert a.acceptance_lengths == b.acceptance_lengths and a.token_ids == b.token_ids
     assert main(["convert", "--from-dflash", str(out), "--out", str(tmp_path / "again")]) == 2
+    kv = tmp_path / "dflow-kv"
+    assert main(["convert", "--from-dflash", str(FIXTURES / "drafter"), "--out", str(kv), "--relay-input", "kv"]) == 0
+    assert json.loads((kv / "config.json").read_text())["dflow_config"]["relay_input"] == "kv"
+    converted = dflow_rt.load_drafter(kv, target)
+    assert converted.config.relay_input == "kv"
+    b = dflow_rt.generate(target, converted, CASES[0]["prompt_ids"], max_new_tokens=32)
+    assert b.acceptance_lengths == dflow_rt.generate(target, parent, CASES[0]["prompt_ids"],
+                                                     max_new_tokens=32).acceptance_lengths

@@ -91,9 +91,10 @@ def test_greedy_and_sampled_rows_share_a_round(reference_pair, backend):
     assert not rt.state.temperature.any(), "finished rows must not leave rounds on the sampling path"
 
 
-def test_dflow_relay_in_static_round_matches_reference_round(reference_pair):
+@pytest.mark.parametrize("relay_input", ["mask_embedding", "kv"])
+def test_dflow_relay_in_static_round_matches_reference_round(reference_pair, relay_input):
     target, parent = reference_pair
-    drafter = with_relay(parent, relay_hidden=32)
+    drafter = with_relay(parent, relay_hidden=32, relay_input=relay_input)
     torch.manual_seed(0)
     with torch.no_grad():
         for p in drafter.relay.parameters():

@@ -56,9 +56,9 @@ def sequence(case: dict, target, drafter, n: int = 64) -> torch.Tensor:
     return torch.tensor([case["prompt_ids"] + out.token_ids])
 
 
-def random_relay(parent):
+def random_relay(parent, relay_input="mask_embedding"):
     """`parent` as a DFlow drafter whose relay has random non-zero weights (it changes drafts)."""
-    drafter = with_relay(parent, relay_hidden=32, seed=0)
+    drafter = with_relay(parent, relay_hidden=32, seed=0, relay_input=relay_input)
     torch.manual_seed(0)
     with torch.no_grad():
         for p in drafter.relay.parameters():
@@ -151,10 +151,12 @@ def test_rounds_unrolled_from_the_prompt_are_the_rounds_of_generate(reference_pa
         assert rounds[:-1] == out.acceptance_lengths[:len(rounds) - 1] and len(rounds) == len(out.acceptance_lengths)
 
 
-def test_dflow_relay_inputs_match_the_inference_round(reference_pair):
+@pytest.mark.parametrize("relay_input", ["mask_embedding", "kv"])
+def test_dflow_relay_inputs_match_the_inference_round(reference_pair, relay_input):
     """Unrolled from the prompt's first round, training drafts, accepts and relays exactly what
-    `dflow_rt.generate` does: same drafts, a, c (bonus), d (first rejected draft), slot mapping, relay."""
-    target, drafter = reference_pair[0], random_relay(reference_pair[1])
+    `dflow_rt.generate` does: same drafts, a, c (bonus), d (first rejected draft), slot mapping, relay
+    (and, for a `kv` relay, the batched relay attention gives the drafts of the one-block inference pass)."""
+    target, drafter = reference_pair[0], random_relay(reference_pair[1], relay_input)
     checked = 0
     for case in CASES:
         seen = {"drafts": [], "relay": []}
@@ -185,16 +187,18 @@ def test_dflow_relay_inputs_match_the_inference_round(reference_pair):
             accepted, bonus, rejected, emb = seen["relay"][r + 1]
             buf = step["relay"]
             assert (buf.accepted, buf.bonus, buf.rejected) == (accepted, bonus, rejected), f"round {r + 2} a/c/d"
-            ours = drafter.relay_embeddings(target.embed_tokens, buf, None)
-            torch.testing.assert_close(ours, emb, atol=1e-4, rtol=1e-4)
+            ours, valid = drafter.relay_embeddings(target.embed_tokens, buf, None)
+            torch.testing.assert_close(ours, emb[0], atol=1e-4, rtol=1e-4)
+            assert torch.equal(valid, emb[1])
             checked += int(accepted) < drafter.block_size - 1  # a round with a rejected suffix to relay
     assert checked >= 8
 
 
-def test_base_first_round_routes_later_rounds_to_the_relay_alone(reference_pair):
+@pytest.mark.parametrize("relay_input", ["mask_embedding", "kv"])
+def test_base_first_round_routes_later_rounds_to_the_relay_alone(reference_pair, relay_input):
     """With `base_first_round`, the shared weights get exactly the DFlash loss's gradient (round 1) and the
     relay gets the later rounds' gradient, the same as the default objective gives the relay."""
-    target, drafter = reference_pair[0], random_relay(reference_pair[1])
+    target, drafter = reference_pair[0], random_relay(reference_pair[1], relay_input)
     ids = sequence(CASES[0], target, drafter)
     batch = (ids, torch.tensor([ids.shape[1]]), torch.tensor([[2, 9, 20]]), torch.ones(1, 3, dtype=torch.bool))
 

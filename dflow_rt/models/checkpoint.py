@@ -16,7 +16,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from dflow_rt.errors import CheckpointError
-from dflow_rt.models.drafter import Drafter, DrafterConfig, build_target_layer_ids
+from dflow_rt.models.drafter import RELAY_INPUTS, Drafter, DrafterConfig, build_target_layer_ids
 from dflow_rt.models.target import ARCHITECTURES, Target, TargetConfig, rope_settings
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -222,7 +222,16 @@ def drafter_config(cfg: dict, path: object) -> DrafterConfig:
         **shared, block_size=positive_int(dflash, path, "block_size", default=cfg.get("block_size")),
         mask_token_id=mask, target_layer_ids=tuple(layer_ids), num_target_layers=num_target,
         relay_hidden=positive_int(dflow, path, "relay_hidden") if dflow else 0,
+        relay_input=relay_input(dflow, path),
     )
+
+
+def relay_input(dflow: dict, path: Path) -> str:
+    value = dflow.get("relay_input", "mask_embedding")
+    if value not in RELAY_INPUTS:
+        raise CheckpointError(path, f"field 'dflow_config.relay_input' must be one of {', '.join(RELAY_INPUTS)}, "
+                                    f"got {value!r}")
+    return value
 
 
 def check_fits(config: DrafterConfig, target: Target, path: Path) -> None:
@@ -273,7 +282,7 @@ def drafter_hf_config(c: DrafterConfig) -> dict:
         "tie_word_embeddings": False, "torch_dtype": "float32",
     }
     if c.relay_hidden:
-        cfg["dflow_config"] = {"relay_hidden": c.relay_hidden, "relay_input": "mask_embedding"}
+        cfg["dflow_config"] = {"relay_hidden": c.relay_hidden, "relay_input": c.relay_input}
     return cfg
 
 

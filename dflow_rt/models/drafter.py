@@ -14,8 +14,10 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import nn
 
-from dflow_rt.models.layers import DecoderLayer, KVCache, RMSNorm, Rotary
-from dflow_rt.models.relay import Relay, RelayBuffer, shift_to_slots
+from dflow_rt.models.layers import DecoderLayer, KVCache, RMSNorm, Rotary, attend_cached
+from dflow_rt.models.relay import Relay, RelayBuffer, relay_keys, shift_to_slots
+
+RELAY_INPUTS = ("mask_embedding", "kv")
 
 
 def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -45,6 +47,11 @@ class DrafterConfig:
     attention_bias: bool = False
     max_position_embeddings: int = 4096
     relay_hidden: int = 0  # DFlow boundary-correction MLP width; 0 = a DFlash drafter (no relay)
+    relay_input: str = "mask_embedding"  # or "kv": where the relay enters the draft pass (models/relay.py)
+
+    def __post_init__(self):
+        if self.relay_input not in RELAY_INPUTS:
+            raise ValueError(f"relay_input must be one of {', '.join(RELAY_INPUTS)}, got {self.relay_input!r}")
 
 
 class Drafter(nn.Module):
@@ -79,13 +86,15 @@ class Drafter(nn.Module):
         w = self.fc.weight
         return RelayBuffer(batch, block_size or self.block_size, w.shape[1], w.dtype, w.device)
 
-    def relay_embeddings(self, embed: nn.Embedding, buffer: RelayBuffer, rows: torch.Tensor | None) -> torch.Tensor:
-        """Per-slot additions [batch, B, hidden] to the block embeddings (zero where nothing is relayed)."""
+    def relay_embeddings(self, embed: nn.Embedding, buffer: RelayBuffer,
+                         rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-slot relay vectors [batch, B, hidden] (zero where nothing is relayed) and which
+        slots carry one [batch, B]."""
         pick = (lambda t: t) if rows is None else (lambda t: t[rows])
         features, valid = shift_to_slots(pick(buffer.features), pick(buffer.accepted))
         u = self.hidden_norm(self.fc(features))
         relay = self.relay(u, embed(pick(buffer.bonus)), embed(pick(buffer.rejected)))
-        return relay * valid[..., None].to(relay.dtype)
+        return relay * valid[..., None].to(relay.dtype), valid
 
     def write_context(self, ctx_feat: torch.Tensor, ctx_pos: torch.Tensor, cache: KVCache,
                       rows: torch.Tensor | None) -> None:
@@ -101,26 +110,29 @@ class Drafter(nn.Module):
             cache.write(i, rows, ctx_pos, k, v)
 
     def forward(self, block_emb: torch.Tensor, block_pos: torch.Tensor, ctx_feat: torch.Tensor | None,
-                ctx_pos: torch.Tensor | None, cache: KVCache, rows: torch.Tensor | None) -> torch.Tensor:
+                ctx_pos: torch.Tensor | None, cache: KVCache, rows: torch.Tensor | None,
+                relay_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Hidden states [batch, block, hidden] of one draft pass.
 
         `ctx_feat` (or None) are target features of newly committed positions `ctx_pos`,
-        appended to `cache` first (the cache holds committed context only). The block at
-        `block_pos` sees cache positions before its first slot and all of itself.
+        written to `cache` first. The block's own keys/values then go to `cache` at
+        `block_pos`, and the block attends over every position before its end: the committed
+        context and the whole block. Block entries are scratch: the positions a later round
+        reads as context are rewritten by that round's context write first (the rejected ones
+        sit at or past its block and are overwritten or masked). `relay_kv` = (relay vectors,
+        valid slots) of a `kv` relay: extra keys/values for the block (`relay_keys`).
         """
         if ctx_feat is not None:
             self.write_context(ctx_feat, ctx_pos, cache, rows)
         cos, sin = self.rotary(block_pos, block_emb.dtype)
-        batch, size = block_pos.shape
-        committed = torch.arange(cache.max_len, device=block_pos.device) < block_pos[:, :1, None]
-        mask = torch.cat([committed.expand(-1, size, -1), committed.new_ones(batch, size, size)], dim=-1)
+        size = block_pos.shape[1]
+        visible = torch.arange(cache.max_len, device=block_pos.device) < block_pos[:, :1, None] + size
+        mask = visible.expand(-1, size, -1)
         h = block_emb
         for i, layer in enumerate(self.layers):
             def attend(attn, x, i=i):
-                k_blk, v_blk = attn.key_value(x, cos, sin)
-                k_ctx, v_ctx = cache.read(i, rows)
-                k, v = torch.cat([k_ctx, k_blk], dim=2), torch.cat([v_ctx, v_blk], dim=2)
-                return attn.output(attn.query(x, cos, sin), k, v, mask)
+                extra = None if relay_kv is None else relay_keys(attn, *relay_kv, cos, sin, size)
+                return attend_cached(attn, x, cos, sin, mask, cache, i, rows, block_pos, extra)
 
             h = layer(h, attend)
         return self.norm(h)
@@ -131,23 +143,27 @@ class Drafter(nn.Module):
         """Greedy drafts [batch, block - 1] for slots 1.. of `block_ids` (one denoising step).
 
         With a DFlow relay and a `relay` buffer holding the last verify pass, the rejected
-        suffix's features are added to the mask embeddings first.
+        suffix's features enter the pass (added to the mask embeddings, or as keys/values).
         """
-        emb = target.embed_tokens(block_ids)
+        emb, relay_kv = target.embed_tokens(block_ids), None
         if self.use_relay and relay is not None:
-            emb = emb + self.relay_embeddings(target.embed_tokens, relay, rows)
-        h = self(emb, block_pos, ctx_feat, ctx_pos, cache, rows)
+            vectors, valid = self.relay_embeddings(target.embed_tokens, relay, rows)
+            if self.config.relay_input == "kv":
+                relay_kv = vectors, valid
+            else:
+                emb = emb + vectors
+        h = self(emb, block_pos, ctx_feat, ctx_pos, cache, rows, relay_kv)
         return target.lm_head(h[:, 1:]).argmax(-1)
 
 
-def with_relay(drafter: Drafter, relay_hidden: int, seed: int = 0) -> Drafter:
+def with_relay(drafter: Drafter, relay_hidden: int, seed: int = 0, relay_input: str = "mask_embedding") -> Drafter:
     """A DFlow drafter from a DFlash one: same weights, a relay whose last projection is zero."""
     if relay_hidden < 1:
         raise ValueError(f"relay_hidden must be positive, got {relay_hidden}")
     w = drafter.fc.weight
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        dflow = Drafter(replace(drafter.config, relay_hidden=relay_hidden))
+        dflow = Drafter(replace(drafter.config, relay_hidden=relay_hidden, relay_input=relay_input))
     dflow.relay.zero_init()
     dflow.load_state_dict(drafter.state_dict(), strict=False)
     return dflow.to(device=w.device, dtype=w.dtype).eval()

@@ -120,10 +120,32 @@ class Attention(nn.Module):
         v = self.v_proj(x).unflatten(-1, (self.kv_heads, self.head_dim))
         return apply_rope(k.transpose(1, 2), cos, sin), v.transpose(1, 2)
 
-    def output(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Attend `q` over `k`/`v` where `mask` [batch, q_len, k_len] is True, then project out."""
+    def output(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+               extra: tuple | None = None) -> torch.Tensor:
+        """Attend `q` over `k`/`v` where `mask` [batch, q_len, k_len] is True, then project out.
+
+        `extra` = (k, v, mask): a second attention with a softmax of its own, added to the
+        first before the output projection (the DFlow `kv` relay).
+        """
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=True)
+        if extra is not None:
+            ek, ev, emask = extra
+            out = out + F.scaled_dot_product_attention(q, ek, ev, attn_mask=emask[:, None], enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).flatten(2))
+
+
+def attend_cached(attn: Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
+                  cache: KVCache, layer: int, rows: torch.Tensor | None, positions: torch.Tensor,
+                  extra: tuple | None = None) -> torch.Tensor:
+    """Write the keys/values of `x` at `positions` of `cache`, then attend over the whole cache.
+
+    The cache stays one tensor per layer that attention reads in place: no concatenation of
+    old and new keys, whose copy grows with the context every round.
+    """
+    k, v = attn.key_value(x, cos, sin)
+    cache.write(layer, rows, positions, k, v)
+    k, v = cache.read(layer, rows)
+    return attn.output(attn.query(x, cos, sin), k, v, mask, extra)
 
 
 class MLP(nn.Module):

@@ -6,8 +6,10 @@ position p predicts token p+1, so the feature of p belongs to next-round slot
 `j = p - s' + 1` (`s' = s + a + 1`): slots 1..B-1-a. Those states were computed behind the
 wrong token d (the first rejected draft) rather than the bonus c, so a small MLP over
 [E(c), E(d), u] gives a per-channel scale and shift: relay = scale * LayerNorm(u) + shift,
-added to the mask embedding of that slot. The MLP's last projection starts at zero, so a
-fresh relay changes nothing and a converted DFlash drafter drafts exactly as before.
+added to the mask embedding of that slot (`relay_input = "mask_embedding"`, the default) or
+attended as extra keys/values by the next block (`"kv"`, see `relay_keys`). The MLP's last
+projection starts at zero, so a fresh relay changes nothing and a converted DFlash drafter
+drafts exactly as before.
 """
 
 from __future__ import annotations
@@ -35,6 +37,25 @@ class Relay(nn.Module):
         ctx = torch.cat([bonus_emb, rejected_emb], dim=-1)[:, None].expand(-1, u.shape[1], -1)
         scale, shift = self.fc2(F.silu(self.fc1(torch.cat([ctx, u], dim=-1)))).chunk(2, dim=-1)
         return scale * F.layer_norm(u, u.shape[-1:]) + shift
+
+
+def relay_keys(attn: nn.Module, relay: torch.Tensor, valid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Keys, values and mask of the `kv` relay input for one attention layer.
+
+    Relay vectors [b, N*B, hidden] (N blocks of B slots per row) become keys/values at their
+    slots' positions, seen by their own block's queries only where `valid` [b, N*B], through a
+    softmax of their own behind a zero "null" key that is always visible. With a fresh relay
+    (zero vectors) every value is zero, so the branch adds exactly nothing: a converted DFlash
+    drafter drafts as before, and a block with nothing relayed attends to the null key alone.
+    """
+    k, v = attn.key_value(relay, cos, sin)
+    null = k.new_zeros(*k.shape[:2], 1, k.shape[-1])
+    idx = torch.arange(relay.shape[1], device=relay.device)
+    own = (idx[:, None] // block_size) == (idx[None, :] // block_size)
+    seen = own & valid[:, None, :]
+    mask = torch.cat([seen.new_ones(*seen.shape[:2], 1), seen], dim=-1)
+    return torch.cat([null, k], dim=2), torch.cat([null, v], dim=2), mask
 
 
 def shift_to_slots(features: torch.Tensor, accepted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from dflow_rt.models.layers import DecoderLayer, KVCache, RMSNorm, Rotary
+from dflow_rt.models.layers import DecoderLayer, KVCache, RMSNorm, Rotary, attend_cached
 
 ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}
 
@@ -89,10 +89,9 @@ class Target(nn.Module):
         picked = {}
         for i, layer in enumerate(self.model.layers):
             def attend(attn, x, i=i):
-                k, v = attn.key_value(x, cos, sin)
                 if cache is not None:
-                    cache.write(i, rows, positions, k, v)
-                    k, v = cache.read(i, rows)
+                    return attend_cached(attn, x, cos, sin, mask, cache, i, rows, positions)
+                k, v = attn.key_value(x, cos, sin)
                 return attn.output(attn.query(x, cos, sin), k, v, mask)
 
             h = layer(h, attend)

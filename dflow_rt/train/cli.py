@@ -138,6 +138,8 @@ def _drafter_parser(p: argparse.ArgumentParser, dflow: bool) -> None:
                    + "; it fixes the shape (--block-size, --layers, ... are then ignored)")
     if dflow:
         m.add_argument("--relay-hidden", type=int, help="relay MLP width [target hidden size]")
+        m.add_argument("--relay-input", choices=("mask_embedding", "kv"),
+                       help="relay added to the mask embeddings, or attended as keys/values [mask_embedding]")
         m.add_argument("--relay-lr-scale", type=float, help="relay learning rate / --lr [1.0]")
         m.add_argument("--base-lr-scale", type=float,
                        help="learning rate of the DFlash weights / --lr; 0 trains the relay alone [1.0]")

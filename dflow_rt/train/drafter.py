@@ -34,8 +34,8 @@ from dflow_rt.train.regen import (
 DFLASH_DEFAULTS = {"block_size": 16, "layers": 2, "target_layers": None, "mask_token_id": None, "anchors": 32,
                    "lr": 1e-3, "gamma": "auto", "warmup": 50, "min_lr_ratio": 0.1, "weight_decay": 0.01, "clip": 1.0,
                    "seed": 0, "steps": None, "minutes": None, "eval_seqs": 16, "init": None}
-DFLOW_DEFAULTS = {**DFLASH_DEFAULTS, "relay_hidden": None, "relay_lr_scale": 1.0, "base_lr_scale": 1.0, "rounds": 3,
-                  "base_first_round": False}
+DFLOW_DEFAULTS = {**DFLASH_DEFAULTS, "relay_hidden": None, "relay_input": "mask_embedding", "relay_lr_scale": 1.0,
+                  "base_lr_scale": 1.0, "rounds": 3, "base_first_round": False}
 
 
 class ScaledAdamW(torch.optim.AdamW):
@@ -181,7 +181,9 @@ def build_drafter(kind: str, target: Target, target_dir: Path, s: dict) -> Draft
             if parent.relay is not None:
                 raise InputError(f"--init {s['init']}: a DFlow drafter; `train dflash` continues DFlash drafters")
             return parent
-        return parent if parent.relay is not None else with_relay(parent, s["relay_hidden"] or t.hidden_size, s["seed"])
+        if parent.relay is not None:
+            return parent
+        return with_relay(parent, s["relay_hidden"] or t.hidden_size, s["seed"], s["relay_input"])
     mask = s["mask_token_id"]
     if mask is None and (target_dir / "tokenizer.json").exists():
         mask = load_tokenizer(target_dir).mask_token_id
@@ -192,7 +194,8 @@ def build_drafter(kind: str, target: Target, target_dir: Path, s: dict) -> Draft
         vocab_size=t.vocab_size, block_size=s["block_size"], mask_token_id=t.vocab_size - 1 if mask is None else mask,
         target_layer_ids=tuple(layer_ids), num_target_layers=t.num_hidden_layers, rope_theta=t.rope_theta,
         rope_scaling=t.rope_scaling, rms_norm_eps=t.rms_norm_eps, max_position_embeddings=t.max_position_embeddings,
-        relay_hidden=(s["relay_hidden"] or t.hidden_size) if kind == "dflow" else 0)
+        relay_hidden=(s["relay_hidden"] or t.hidden_size) if kind == "dflow" else 0,
+        relay_input=s.get("relay_input", "mask_embedding"))
     torch.manual_seed(s["seed"])
     drafter = Drafter(config)
     for p in drafter.parameters():

@@ -26,7 +26,7 @@ from torch import nn
 
 from dflow_rt.models.drafter import Drafter
 from dflow_rt.models.layers import Rotary
-from dflow_rt.models.relay import RelayBuffer
+from dflow_rt.models.relay import RelayBuffer, relay_keys
 from dflow_rt.models.target import Target
 
 
@@ -51,8 +51,9 @@ def block_mask(ctx_len: int, starts: torch.Tensor, B: int, causal: bool) -> torc
 
 
 def run_layers(layers, h: torch.Tensor, pos: torch.Tensor, rotary: Rotary, mask: torch.Tensor,
-               ctx_kv: list | None = None, record: list | None = None, pick: tuple[int, ...] = ()):
-    """Decoder layers over `h` whose keys are [ctx_kv[i] ; own]; returns (h, {layer: output} of `pick`)."""
+               ctx_kv: list | None = None, record: list | None = None, pick: tuple[int, ...] = (), extra=None):
+    """Decoder layers over `h` whose keys are [ctx_kv[i] ; own]; returns (h, {layer: output} of `pick`).
+    `extra(attn, cos, sin)` gives a layer's second attention (`Attention.output`), if any."""
     cos, sin = rotary(pos, h.dtype)
     picked = {}
     for i, layer in enumerate(layers):
@@ -62,7 +63,7 @@ def run_layers(layers, h: torch.Tensor, pos: torch.Tensor, rotary: Rotary, mask:
                 record.append((k, v))
             if ctx_kv is not None:
                 k, v = torch.cat([ctx_kv[i][0], k], dim=2), torch.cat([ctx_kv[i][1], v], dim=2)
-            return attn.output(attn.query(x, cos, sin), k, v, mask)
+            return attn.output(attn.query(x, cos, sin), k, v, mask, extra and extra(attn, cos, sin))
 
         h = layer(h, attend)
         if i in pick:
@@ -99,18 +100,21 @@ def drafter_context(drafter: Drafter, feats: torch.Tensor) -> list:
     return [layer.self_attn.key_value(ctx, cos, sin) for layer in drafter.layers]
 
 
-def draft_hidden(drafter: Drafter, ctx_kv: list, emb: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
-    """`Drafter.forward` for N blocks per row at once: emb [b, N*B, H] -> normed hidden [b, N*B, H]."""
+def draft_hidden(drafter: Drafter, ctx_kv: list, emb: torch.Tensor, starts: torch.Tensor,
+                 relay_kv: tuple | None = None) -> torch.Tensor:
+    """`Drafter.forward` for N blocks per row at once: emb [b, N*B, H] -> normed hidden [b, N*B, H];
+    `relay_kv` = (vectors [b, N*B, H], valid [b, N*B]) of a `kv` relay."""
     B = drafter.block_size
     pos = (starts[..., None] + torch.arange(B, device=emb.device)).flatten(1)
     mask = block_mask(ctx_kv[0][0].shape[2], starts, B, causal=False)
-    h, _ = run_layers(drafter.layers, emb, pos, drafter.rotary, mask, ctx_kv=ctx_kv)
+    extra = None if relay_kv is None else (lambda attn, cos, sin: relay_keys(attn, *relay_kv, cos, sin, B))
+    h, _ = run_layers(drafter.layers, emb, pos, drafter.rotary, mask, ctx_kv=ctx_kv, extra=extra)
     return drafter.norm(h)
 
 
 class DraftPass(nn.Module):
-    """One draft pass of N blocks per row, the relay (if any) added to the block embeddings. A module of
-    its own so that `torch.func.functional_call` can rerun it with the shared weights detached."""
+    """One draft pass of N blocks per row, with the relay (if any) as the drafter's config says. A module
+    of its own so that `torch.func.functional_call` can rerun it with the shared weights detached."""
 
     def __init__(self, drafter: Drafter):
         super().__init__()
@@ -118,9 +122,15 @@ class DraftPass(nn.Module):
 
     def forward(self, ctx_kv: list, emb: torch.Tensor, starts: torch.Tensor, relay: RelayBuffer | None,
                 embed: nn.Embedding) -> torch.Tensor:
+        relay_kv = None
         if relay is not None:
-            emb = emb + self.drafter.relay_embeddings(embed, relay, None).view_as(emb)
-        return draft_hidden(self.drafter, ctx_kv, emb, starts)
+            vectors, valid = self.drafter.relay_embeddings(embed, relay, None)
+            vectors, valid = vectors.view_as(emb), valid.view(emb.shape[:2])
+            if self.drafter.config.relay_input == "kv":
+                relay_kv = vectors, valid
+            else:
+                emb = emb + vectors
+        return draft_hidden(self.drafter, ctx_kv, emb, starts, relay_kv)
 
 
 class DraftObjective(nn.Module):
