@@ -41,7 +41,7 @@ def test_shift_to_slots_matches_definition(B, data):
         assert int(valid[b].sum()) == B - 1 - a and not valid[b, 0]
 
 
-def test_relay_embeddings_follow_the_formula(reference_pair):
+def test_relay_vectors_follow_the_formula(reference_pair):
     target, parent = reference_pair
     drafter = randomise_relay(with_relay(parent, relay_hidden=32), seed=1)
     B, E = 16, target.embed_tokens
@@ -50,7 +50,7 @@ def test_relay_embeddings_follow_the_formula(reference_pair):
     block, verified = torch.randint(0, 23, (1, B)), torch.randint(0, 23, (1, B))
     a = 5
     buf.write(torch.tensor([0]), feats, block, verified, torch.tensor([a]))
-    got, valid = drafter.relay_embeddings(E, buf, torch.tensor([0]))
+    got, valid = drafter.relay_vectors(E, buf, torch.tensor([0]))
     got = got[0]
     assert valid[0].tolist() == [1 <= j <= B - 1 - a for j in range(B)]
     sd = drafter.state_dict()

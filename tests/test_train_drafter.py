@@ -160,20 +160,20 @@ def test_dflow_relay_inputs_match_the_inference_round(reference_pair, relay_inpu
     checked = 0
     for case in CASES:
         seen = {"drafts": [], "relay": []}
-        propose, relay_embeddings = drafter.propose, drafter.relay_embeddings
+        propose, relay_vectors = drafter.propose, drafter.relay_vectors
 
         def spy_propose(*args, seen=seen, propose=propose, **kwargs):
             seen["drafts"].append(propose(*args, **kwargs))
             return seen["drafts"][-1]
 
-        def spy_relay(embed, buf, rows, seen=seen, relay_embeddings=relay_embeddings):
+        def spy_relay(embed, buf, rows, seen=seen, relay_vectors=relay_vectors):
             seen["relay"].append((buf.accepted.clone(), buf.bonus.clone(), buf.rejected.clone(),
-                                  relay_embeddings(embed, buf, rows)))
+                                  relay_vectors(embed, buf, rows)))
             return seen["relay"][-1][3]
 
-        drafter.propose, drafter.relay_embeddings = spy_propose, spy_relay
+        drafter.propose, drafter.relay_vectors = spy_propose, spy_relay
         ids = sequence(case, target, drafter)
-        del drafter.propose, drafter.relay_embeddings
+        del drafter.propose, drafter.relay_vectors
         trace = []
         with torch.no_grad():
             DraftObjective(drafter, target, 7.0, rounds=3)(ids, torch.tensor([ids.shape[1]]),
@@ -187,7 +187,7 @@ def test_dflow_relay_inputs_match_the_inference_round(reference_pair, relay_inpu
             accepted, bonus, rejected, emb = seen["relay"][r + 1]
             buf = step["relay"]
             assert (buf.accepted, buf.bonus, buf.rejected) == (accepted, bonus, rejected), f"round {r + 2} a/c/d"
-            ours, valid = drafter.relay_embeddings(target.embed_tokens, buf, None)
+            ours, valid = drafter.relay_vectors(target.embed_tokens, buf, None)
             torch.testing.assert_close(ours, emb[0], atol=1e-4, rtol=1e-4)
             assert torch.equal(valid, emb[1])
             checked += int(accepted) < drafter.block_size - 1  # a round with a rejected suffix to relay

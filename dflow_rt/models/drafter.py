@@ -86,7 +86,7 @@ class Drafter(nn.Module):
         w = self.fc.weight
         return RelayBuffer(batch, block_size or self.block_size, w.shape[1], w.dtype, w.device)
 
-    def relay_embeddings(self, embed: nn.Embedding, buffer: RelayBuffer,
+    def relay_vectors(self, embed: nn.Embedding, buffer: RelayBuffer,
                          rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-slot relay vectors [batch, B, hidden] (zero where nothing is relayed) and which
         slots carry one [batch, B]."""
@@ -147,7 +147,7 @@ class Drafter(nn.Module):
         """
         emb, relay_kv = target.embed_tokens(block_ids), None
         if self.use_relay and relay is not None:
-            vectors, valid = self.relay_embeddings(target.embed_tokens, relay, rows)
+            vectors, valid = self.relay_vectors(target.embed_tokens, relay, rows)
             if self.config.relay_input == "kv":
                 relay_kv = vectors, valid
             else:

@@ -10,7 +10,7 @@ DFlow: that round unrolled 3 times per anchor with shared weights. Each round's 
 verified ONLINE by the frozen target (the proposed block on top of the clean context, no_grad);
 acceptance and the next anchor come from matching drafts against the ground truth; the next round's
 mask slots get relays built by the inference code itself (`RelayBuffer.write`,
-`Drafter.relay_embeddings`), so slot mapping and c/d cannot drift from the runtime. Drafts are
+`Drafter.relay_vectors`), so slot mapping and c/d cannot drift from the runtime. Drafts are
 argmax: no gradient crosses rounds. Round losses are summed; with `base_first_round` the shared
 weights learn from round 1 (the DFlash loss) and the relay alone from the later rounds.
 
@@ -124,7 +124,7 @@ class DraftPass(nn.Module):
                 embed: nn.Embedding) -> torch.Tensor:
         relay_kv = None
         if relay is not None:
-            vectors, valid = self.drafter.relay_embeddings(embed, relay, None)
+            vectors, valid = self.drafter.relay_vectors(embed, relay, None)
             vectors, valid = vectors.view_as(emb), valid.view(emb.shape[:2])
             if self.drafter.config.relay_input == "kv":
                 relay_kv = vectors, valid
