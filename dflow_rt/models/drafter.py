@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from dflow_rt.models.layers import DecoderLayer, KVCache, RMSNorm, Rotary, attend_cached
-from dflow_rt.models.relay import Relay, RelayBuffer, relay_keys, shift_to_slots
+from dflow_rt.models.relay import Relay, RelayBuffer, relay_keys, relay_mask, shift_to_slots
 
 RELAY_INPUTS = ("mask_embedding", "kv")
 
@@ -128,10 +128,12 @@ class Drafter(nn.Module):
         size = block_pos.shape[1]
         visible = torch.arange(cache.max_len, device=block_pos.device) < block_pos[:, :1, None] + size
         mask = visible.expand(-1, size, -1)
+        if relay_kv is not None:
+            relay_kv = relay_kv[0], relay_mask(relay_kv[1], size)
         h = block_emb
         for i, layer in enumerate(self.layers):
             def attend(attn, x, i=i):
-                extra = None if relay_kv is None else relay_keys(attn, *relay_kv, cos, sin, size)
+                extra = None if relay_kv is None else relay_keys(attn, *relay_kv, cos, sin)
                 return attend_cached(attn, x, cos, sin, mask, cache, i, rows, block_pos, extra)
 
             h = layer(h, attend)

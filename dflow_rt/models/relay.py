@@ -39,22 +39,27 @@ class Relay(nn.Module):
         return scale * F.layer_norm(u, u.shape[-1:]) + shift
 
 
-def relay_keys(attn: nn.Module, relay: torch.Tensor, valid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def relay_mask(valid: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[b, N*B, 1 + N*B] for the `kv` relay input (N blocks of B slots per row): every query sees
+    the null key, and the relayed slots of its own block where `valid` [b, N*B]."""
+    idx = torch.arange(valid.shape[1], device=valid.device)
+    own = (idx[:, None] // block_size) == (idx[None, :] // block_size)
+    seen = own & valid[:, None, :]
+    return torch.cat([seen.new_ones(*seen.shape[:2], 1), seen], dim=-1)
+
+
+def relay_keys(attn: nn.Module, relay: torch.Tensor, mask: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Keys, values and mask of the `kv` relay input for one attention layer.
 
-    Relay vectors [b, N*B, hidden] (N blocks of B slots per row) become keys/values at their
-    slots' positions, seen by their own block's queries only where `valid` [b, N*B], through a
-    softmax of their own behind a zero "null" key that is always visible. With a fresh relay
-    (zero vectors) every value is zero, so the branch adds exactly nothing: a converted DFlash
-    drafter drafts as before, and a block with nothing relayed attends to the null key alone.
+    Relay vectors [b, N*B, hidden] become keys/values at their slots' positions, attended
+    through a softmax of their own behind a zero "null" key (`mask` from `relay_mask`). With a
+    fresh relay (zero vectors) every value is zero, so the branch adds exactly nothing: a
+    converted DFlash drafter drafts as before, and a block with nothing relayed attends to the
+    null key alone.
     """
     k, v = attn.key_value(relay, cos, sin)
     null = k.new_zeros(*k.shape[:2], 1, k.shape[-1])
-    idx = torch.arange(relay.shape[1], device=relay.device)
-    own = (idx[:, None] // block_size) == (idx[None, :] // block_size)
-    seen = own & valid[:, None, :]
-    mask = torch.cat([seen.new_ones(*seen.shape[:2], 1), seen], dim=-1)
     return torch.cat([null, k], dim=2), torch.cat([null, v], dim=2), mask
 
 

@@ -26,7 +26,7 @@ from torch import nn
 
 from dflow_rt.models.drafter import Drafter
 from dflow_rt.models.layers import Rotary
-from dflow_rt.models.relay import RelayBuffer, relay_keys
+from dflow_rt.models.relay import RelayBuffer, relay_keys, relay_mask
 from dflow_rt.models.target import Target
 
 
@@ -107,7 +107,12 @@ def draft_hidden(drafter: Drafter, ctx_kv: list, emb: torch.Tensor, starts: torc
     B = drafter.block_size
     pos = (starts[..., None] + torch.arange(B, device=emb.device)).flatten(1)
     mask = block_mask(ctx_kv[0][0].shape[2], starts, B, causal=False)
-    extra = None if relay_kv is None else (lambda attn, cos, sin: relay_keys(attn, *relay_kv, cos, sin, B))
+    extra = None
+    if relay_kv is not None:
+        vectors, seen = relay_kv[0], relay_mask(relay_kv[1], B)
+
+        def extra(attn, cos, sin):
+            return relay_keys(attn, vectors, seen, cos, sin)
     h, _ = run_layers(drafter.layers, emb, pos, drafter.rotary, mask, ctx_kv=ctx_kv, extra=extra)
     return drafter.norm(h)
 
