@@ -299,7 +299,7 @@ def test_resume_gives_the_same_weights_as_an_uninterrupted_run(kind, tiny_dir, d
     assert all(torch.equal(runs["straight"][k], runs["resumed"][k]) for k in runs["straight"])
 
 
-def test_dflow_training_writes_a_loadable_dflow_drafter(tiny_dir, data_file, dflash_run, tmp_path):
+def test_dflow_training_writes_a_loadable_dflow_drafter(tiny_dir, data_file, dflash_run, tmp_path, capsys):
     out = tmp_path / "dflow"
     assert run_cli(["dflow", "--target", str(tiny_dir), "--data", str(data_file), "--out", str(out), *RUN,
                     "--init", str(dflash_run), "--relay-hidden", "24", "--steps", "2", "--eval-prompts", "2"]) == 0
@@ -329,6 +329,14 @@ def test_dflow_training_writes_a_loadable_dflow_drafter(tiny_dir, data_file, dfl
     assert run_cli(["dflash", *data, "--out", str(tmp_path / "cont"), "--init", str(dflash_run), "--lr", "1e-12"]) == 0
     cont = load_file(tmp_path / "cont" / "model.safetensors")
     assert all(torch.allclose(cont[k], parent[k], atol=1e-6) for k in parent)
+    # --init fixes the shape: a setting that contradicts the parent is an error, not silently ignored.
+    common = ["--target", str(tiny_dir), "--data", str(data_file), *RUN, "--steps", "1", "--init"]
+    assert run_cli(["dflow", *common, str(out), "--out", str(tmp_path / "c1"), "--relay-input", "kv"]) == 2
+    assert run_cli(["dflow", *common, str(out), "--out", str(tmp_path / "c2"), "--relay-hidden", "32"]) == 2
+    assert run_cli(["dflash", *common, str(dflash_run), "--out", str(tmp_path / "c3"), "--block-size", "16"]) == 2
+    assert capsys.readouterr().err.count("fixes the drafter's shape; conflicting: --") == 3
+    assert run_cli(["dflow", *common, str(out), "--out", str(tmp_path / "c4"), "--relay-hidden", "24",
+                    "--block-size", "8", "--lr", "1e-12"]) == 0  # repeating the parent's own shape is fine
 
 
 def test_relay_learning_rate_scale(reference_pair):

@@ -171,12 +171,13 @@ def resolve_settings(kind: str, given: dict, out: Path, resume: bool) -> tuple[d
     return settings, state
 
 
-def build_drafter(kind: str, target: Target, target_dir: Path, s: dict) -> Drafter:
+def build_drafter(kind: str, target: Target, target_dir: Path, s: dict, given: dict | None = None) -> Drafter:
     """A fresh drafter shaped by the target, or the --init drafter (DFlow: a DFlash one converted with a
-    zero-init relay)."""
+    zero-init relay). `given` (the settings passed explicitly) must not contradict the --init drafter's shape."""
     t = target.config
     if s["init"]:
         parent = load_drafter(s["init"], target)
+        check_init_shape(s["init"], parent, given or {})
         if kind == "dflash":
             if parent.relay is not None:
                 raise InputError(f"--init {s['init']}: a DFlow drafter; `train dflash` continues DFlash drafters")
@@ -206,6 +207,20 @@ def build_drafter(kind: str, target: Target, target_dir: Path, s: dict) -> Draft
     return drafter
 
 
+def check_init_shape(init: str, parent: Drafter, given: dict) -> None:
+    """--init fixes the drafter's shape: a shape setting given explicitly must agree with it (a DFlash
+    parent has no relay yet, so its relay settings are still free), or the run would silently ignore it."""
+    c = parent.config
+    shape = {"block_size": c.block_size, "layers": c.num_hidden_layers, "target_layers": list(c.target_layer_ids),
+             "mask_token_id": c.mask_token_id}
+    if parent.relay is not None:
+        shape |= {"relay_hidden": c.relay_hidden, "relay_input": c.relay_input}
+    clash = [f"--{k.replace('_', '-')} {given[k]} ({init}: {v})" for k, v in shape.items()
+             if given.get(k) is not None and given[k] != v]
+    if clash:
+        raise InputError(f"--init {init} fixes the drafter's shape; conflicting: " + ", ".join(clash))
+
+
 def train_drafter(kind: str, target_dir: str | Path, data: str | Path, out: str | Path, batch: int = 4,
                   resume: bool = False, threads: int | None = None, checkpoint_every: int = 500, log_every: int = 10,
                   run_steps: int | None = None, eval_prompts: int = 8, eval_max_new_tokens: int = 64,
@@ -226,7 +241,7 @@ def train_drafter(kind: str, target_dir: str | Path, data: str | Path, out: str 
     if int(seqs.tokens.max()) >= target.config.vocab_size:
         raise InputError(f"{data}: token ids beyond the target's vocabulary of {target.config.vocab_size}")
     drafter = (load_drafter(Path(state["_dir"]) / "model", target) if state else
-               build_drafter(kind, target, target_dir, settings)).to(dev).train()
+               build_drafter(kind, target, target_dir, settings, given)).to(dev).train()
     B, s, layer_ids = drafter.block_size, settings, drafter.target_layer_ids
     gamma = auto_gamma(B) if s["gamma"] == "auto" else float(s["gamma"])
     objective = DraftObjective(drafter, target, gamma, rounds=s["rounds"] if kind == "dflow" else 1,
