@@ -7,6 +7,7 @@ import transformers
 
 import dflow_rt
 from dflow_rt.models.checkpoint import target_config
+from dflow_rt.models.drafter import with_relay
 
 
 def tiny_hf_target(seed: int, vocab: int = 16, hidden: int = 32, layers: int = 2, heads: int = 4,
@@ -62,3 +63,14 @@ def hf_greedy(hf, prompt: list[int], max_new_tokens: int, stop_token_ids=()) -> 
         if tok in stop_token_ids:
             break
     return out
+
+
+def random_relay(parent: dflow_rt.Drafter, relay_hidden: int = 32, seed: int = 0,
+                 relay_input: str = "mask_embedding") -> dflow_rt.Drafter:
+    """`parent` as a DFlow drafter whose relay has random non-zero weights (so that it changes drafts)."""
+    drafter = with_relay(parent, relay_hidden, seed, relay_input)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in drafter.relay.parameters():
+            p.normal_(0, 0.5)
+    return drafter

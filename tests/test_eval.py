@@ -3,7 +3,6 @@
 import json
 
 import pytest
-import torch
 
 import dflow_rt
 from dflow_rt.cli import main
@@ -13,17 +12,10 @@ from dflow_rt.eval.tau import TauResult, measure_tau, sem
 from dflow_rt.models.drafter import with_relay
 from dflow_rt.round import RoundTrace
 from tests.conftest import FIXTURES
+from tests.helpers import random_relay
 
 CASES = json.loads((FIXTURES / "rounds.json").read_text())["cases"]
 
-
-def random_relay(parent, seed=0):
-    drafter = with_relay(parent, relay_hidden=32)
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for p in drafter.relay.parameters():
-            p.normal_(0, 0.5)
-    return drafter
 
 
 def test_suites_are_fixed_and_held_out():

@@ -12,17 +12,10 @@ import dflow_rt
 from dflow_rt.models.drafter import with_relay
 from dflow_rt.models.relay import RelayBuffer, shift_to_slots
 from tests.conftest import FIXTURES
-from tests.helpers import ours_from_hf, tiny_drafter, tiny_hf_target
+from tests.helpers import ours_from_hf, random_relay, tiny_drafter, tiny_hf_target
 
 CASES = json.loads((FIXTURES / "rounds.json").read_text())["cases"]
 
-
-def randomise_relay(drafter, seed):
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for p in drafter.relay.parameters():
-            p.normal_(0, 0.5)
-    return drafter
 
 
 @settings(max_examples=40)
@@ -43,7 +36,7 @@ def test_shift_to_slots_matches_definition(B, data):
 
 def test_relay_vectors_follow_the_formula(reference_pair):
     target, parent = reference_pair
-    drafter = randomise_relay(with_relay(parent, relay_hidden=32), seed=1)
+    drafter = random_relay(parent, seed=1)
     B, E = 16, target.embed_tokens
     buf = drafter.new_relay_buffer(1)
     feats = torch.randn(1, B, drafter.fc.weight.shape[1])
@@ -81,7 +74,7 @@ def test_converted_drafter_drafts_exactly_like_its_parent(reference_pair, relay_
 @pytest.mark.parametrize("relay_input", ["mask_embedding", "kv"])
 def test_relay_changes_drafts_but_not_output(reference_pair, relay_input):
     target, parent = reference_pair
-    drafter = randomise_relay(with_relay(parent, relay_hidden=32, relay_input=relay_input), seed=0)
+    drafter = random_relay(parent, relay_input=relay_input)
     changed = 0
     for case in CASES:
         on = dflow_rt.generate(target, drafter, case["prompt_ids"], max_new_tokens=48)
@@ -95,7 +88,7 @@ def test_relay_changes_drafts_but_not_output(reference_pair, relay_input):
 
 def test_relay_buffer_keeps_its_storage(reference_pair):
     target, parent = reference_pair
-    drafter = randomise_relay(with_relay(parent, relay_hidden=32), seed=0)
+    drafter = random_relay(parent)
     seen = []
     original = drafter.propose
 
@@ -120,8 +113,7 @@ def test_dflow_is_lossless(seed, vocab, block_size, prompt_len, max_new_tokens, 
 
     hf = tiny_hf_target(seed, vocab=vocab, layers=2)
     target = ours_from_hf(hf)
-    drafter = randomise_relay(with_relay(tiny_drafter(target, seed), relay_hidden=16, seed=seed,
-                                         relay_input=relay_input), seed)
+    drafter = random_relay(tiny_drafter(target, seed), relay_hidden=16, seed=seed, relay_input=relay_input)
     prompt = torch.randint(0, vocab, (prompt_len,), generator=torch.Generator().manual_seed(seed)).tolist()
     out = dflow_rt.generate(target, drafter, prompt, max_new_tokens=max_new_tokens, block_size=block_size)
     assert out.token_ids == hf_greedy(hf, prompt, max_new_tokens)

@@ -8,9 +8,9 @@ from torch._dynamo.utils import counters
 
 import dflow_rt
 from dflow_rt.config import RuntimeConfig
-from dflow_rt.models.drafter import with_relay
 from dflow_rt.runtime import Runtime
 from tests.conftest import FIXTURES
+from tests.helpers import random_relay
 
 CASES = json.loads((FIXTURES / "rounds.json").read_text())["cases"]
 
@@ -94,11 +94,7 @@ def test_greedy_and_sampled_rows_share_a_round(reference_pair, backend):
 @pytest.mark.parametrize("relay_input", ["mask_embedding", "kv"])
 def test_dflow_relay_in_static_round_matches_reference_round(reference_pair, relay_input):
     target, parent = reference_pair
-    drafter = with_relay(parent, relay_hidden=32, relay_input=relay_input)
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for p in drafter.relay.parameters():
-            p.normal_(0, 0.5)
+    drafter = random_relay(parent, relay_input=relay_input)
     rt = Runtime(target, drafter, RuntimeConfig(max_batch=2, max_len=160))
     outs, counts = per_round(rt, [c["prompt_ids"] for c in CASES[:4]], 48)
     for case, out, cnt in zip(CASES[:4], outs, counts, strict=True):

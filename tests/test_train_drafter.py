@@ -32,6 +32,7 @@ from dflow_rt.train.objective import (
     target_context,
 )
 from tests.conftest import FIXTURES
+from tests.helpers import random_relay
 
 CASES = json.loads((FIXTURES / "rounds.json").read_text())["cases"]
 RUN = ["--block-size", "8", "--layers", "1", "--anchors", "8", "--batch", "2", "--lr", "1e-2", "--warmup", "2",
@@ -55,15 +56,6 @@ def sequence(case: dict, target, drafter, n: int = 64) -> torch.Tensor:
     out = dflow_rt.generate(target, drafter, case["prompt_ids"], max_new_tokens=n)
     return torch.tensor([case["prompt_ids"] + out.token_ids])
 
-
-def random_relay(parent, relay_input="mask_embedding"):
-    """`parent` as a DFlow drafter whose relay has random non-zero weights (it changes drafts)."""
-    drafter = with_relay(parent, relay_hidden=32, seed=0, relay_input=relay_input)
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for p in drafter.relay.parameters():
-            p.normal_(0, 0.5)
-    return drafter
 
 
 @pytest.fixture(scope="module")
@@ -156,7 +148,7 @@ def test_dflow_relay_inputs_match_the_inference_round(reference_pair, relay_inpu
     """Unrolled from the prompt's first round, training drafts, accepts and relays exactly what
     `dflow_rt.generate` does: same drafts, a, c (bonus), d (first rejected draft), slot mapping, relay
     (and, for a `kv` relay, the batched relay attention gives the drafts of the one-block inference pass)."""
-    target, drafter = reference_pair[0], random_relay(reference_pair[1], relay_input)
+    target, drafter = reference_pair[0], random_relay(reference_pair[1], relay_input=relay_input)
     checked = 0
     for case in CASES:
         seen = {"drafts": [], "relay": []}
@@ -198,7 +190,7 @@ def test_dflow_relay_inputs_match_the_inference_round(reference_pair, relay_inpu
 def test_base_first_round_routes_later_rounds_to_the_relay_alone(reference_pair, relay_input):
     """With `base_first_round`, the shared weights get exactly the DFlash loss's gradient (round 1) and the
     relay gets the later rounds' gradient, the same as the default objective gives the relay."""
-    target, drafter = reference_pair[0], random_relay(reference_pair[1], relay_input)
+    target, drafter = reference_pair[0], random_relay(reference_pair[1], relay_input=relay_input)
     ids = sequence(CASES[0], target, drafter)
     batch = (ids, torch.tensor([ids.shape[1]]), torch.tensor([[2, 9, 20]]), torch.ones(1, 3, dtype=torch.bool))
 
