@@ -23,6 +23,7 @@ from dflow_rt.tokenizer import load_tokenizer, train_tokenizer
 from dflow_rt.train import data, regen
 from dflow_rt.train.cli import main
 from dflow_rt.train.drafter import make_optimizer
+from dflow_rt.train.loop import clip_gradients
 from dflow_rt.train.objective import (
     DraftObjective,
     auto_gamma,
@@ -349,6 +350,28 @@ def test_relay_learning_rate_scale(reference_pair):
     opt.step()
     after = drafter.state_dict()
     assert all(torch.equal(before[k], after[k]) != k.startswith("relay.") for k in before)
+
+
+def test_relay_gradients_clipped_apart(reference_pair):
+    """With `clip_relay_apart` (--base-first-round) the relay's gradients cannot shrink the base's step:
+    each part is clipped to the norm on its own; without it, one joint clip as before."""
+    drafter = with_relay(reference_pair[1], relay_hidden=8)
+
+    def clipped(apart: bool) -> tuple[float, float, float]:
+        opt = make_optimizer(drafter, lr=1e-2, weight_decay=0.0, clip_relay_apart=apart)
+        for name, p in drafter.named_parameters():
+            p.grad = torch.full_like(p, 10.0 if name.startswith("relay.") else 1e-3)
+        total = clip_gradients(drafter, opt, 1.0)
+        norms = [torch.linalg.vector_norm(torch.stack([p.grad.norm() for n, p in drafter.named_parameters()
+                                                       if n.startswith("relay.") == relay])) for relay in (False, True)]
+        return total, float(norms[0]), float(norms[1])
+
+    base_grad = 1e-3 * sum(p.numel() for n, p in drafter.named_parameters() if not n.startswith("relay.")) ** 0.5
+    total, base, relay = clipped(apart=True)
+    assert base == pytest.approx(base_grad, rel=1e-5) and relay == pytest.approx(1.0, rel=1e-5)
+    assert total > 10  # the norm before clipping
+    _, base, relay = clipped(apart=False)
+    assert (base ** 2 + relay ** 2) ** 0.5 == pytest.approx(1.0, rel=1e-5) and base < 0.01 * base_grad
 
 
 def test_bad_invocations_are_refused(tiny_dir, data_file, dflash_run, capsys):

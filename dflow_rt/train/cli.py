@@ -146,7 +146,7 @@ def _drafter_parser(p: argparse.ArgumentParser, dflow: bool) -> None:
         m.add_argument("--rounds", type=int, help="rounds unrolled per anchor [3]")
         m.add_argument("--base-first-round", action="store_const", const=True,
                        help="the DFlash weights learn from round 1 (the DFlash loss) alone, the relay from the "
-                       "later rounds: the relay-off drafter gets DFlash updates")
+                       "later rounds, each clipped apart: the relay-off drafter gets DFlash updates")
     m.add_argument("--block-size", type=int, help="B [16]")
     m.add_argument("--layers", type=int, help="drafter decoder layers [2]")
     m.add_argument("--target-layers", help="comma-separated conditioning layers [build_target_layer_ids]")

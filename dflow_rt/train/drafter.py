@@ -53,14 +53,16 @@ class ScaledAdamW(torch.optim.AdamW):
 
 
 def make_optimizer(drafter: Drafter, lr: float, weight_decay: float, relay_lr_scale: float = 1.0,
-                   base_lr_scale: float = 1.0) -> ScaledAdamW:
+                   base_lr_scale: float = 1.0, clip_relay_apart: bool = False) -> ScaledAdamW:
     """Matrices decay, gains do not; relay and DFlash (base) parameters get their own learning-rate scales
-    (base 0 trains the relay alone: the DFlash weights, and so the relay-off drafts, stay exactly as they were)."""
+    (base 0 trains the relay alone: the DFlash weights, and so the relay-off drafts, stay exactly as they were).
+    `clip_relay_apart` clips the relay's gradient norm apart from the base's (`loop.clip_gradients`)."""
     groups: dict[tuple[bool, bool], list] = {}
     for name, p in drafter.named_parameters():
         groups.setdefault((name.startswith("relay."), p.dim() >= 2), []).append(p)
     return ScaledAdamW([{"params": ps, "weight_decay": weight_decay if decay else 0.0,
-                         "lr_scale": relay_lr_scale if relay else base_lr_scale}
+                         "lr_scale": relay_lr_scale if relay else base_lr_scale,
+                         "clip_apart": relay and clip_relay_apart}
                         for (relay, decay), ps in groups.items()], lr=lr, betas=(0.9, 0.95), eps=1e-8)
 
 
@@ -269,7 +271,7 @@ def train_drafter(kind: str, target_dir: str | Path, data: str | Path, out: str 
         print(f"{kind}: {json.dumps({k: info[k] for k in ('params', 'block_size', 'target_layer_ids', 'gamma')})}, "
               f"{len(seqs)} sequences, {d.world} rank(s) x {threads} thread(s)", flush=True)
     optimizer = make_optimizer(drafter, s["lr"], s["weight_decay"], s.get("relay_lr_scale", 1.0),
-                               s.get("base_lr_scale", 1.0))
+                               s.get("base_lr_scale", 1.0), clip_relay_apart=s.get("base_first_round", False))
     result = loop.run(cfg, drafter, optimizer, task, d, info, state)
     if d.world > 1:
         torch.distributed.destroy_process_group()

@@ -206,6 +206,19 @@ def _progress(total: int | None, initial: int, d: Dist):
                 mininterval=0.5 if tty else 30.0, smoothing=0.05)
 
 
+def clip_gradients(model: torch.nn.Module, opt: torch.optim.Optimizer, clip: float) -> float:
+    """Clip the gradient norm to `clip` over all of `model`'s parameters, except those of optimizer groups
+    marked `clip_apart`, which are clipped as a set of their own (so that their gradients cannot shrink
+    the others' steps). Returns the norm over all parameters before clipping."""
+    apart = {id(p) for g in opt.param_groups if g.get("clip_apart") for p in g["params"]}
+    if not apart:
+        return float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
+    params = list(model.parameters())
+    norms = [torch.nn.utils.clip_grad_norm_([p for p in params if (id(p) in apart) == side], clip)
+             for side in (False, True)]
+    return float(torch.linalg.vector_norm(torch.stack(norms)))
+
+
 def run(cfg: LoopConfig, model: torch.nn.Module, opt: torch.optim.Optimizer, task: Task, d: Dist,
         run_info: dict, resume: dict | None = None) -> dict:
     """Train `model` (the bare module; the task forwards through its DDP wrapper) until `total_steps`,
@@ -232,7 +245,7 @@ def run(cfg: LoopConfig, model: torch.nn.Module, opt: torch.optim.Optimizer, tas
                 group["lr"] = lr
             loss, n_tokens = task.loss(step)
             loss.backward()
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip))
+            grad_norm = clip_gradients(model, opt, cfg.clip)
             opt.step()
             opt.zero_grad(set_to_none=True)
             mean_loss, stop_votes, mean_tokens = all_mean([float(loss.detach()), float(stop.flag), n_tokens], d)
