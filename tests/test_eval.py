@@ -17,7 +17,6 @@ from tests.helpers import random_relay
 CASES = json.loads((FIXTURES / "rounds.json").read_text())["cases"]
 
 
-
 def test_suites_are_fixed_and_held_out():
     code = suite_texts("code")
     assert len(code) == 164 and code[0].startswith("from typing import List")  # HumanEval, in task order

@@ -17,7 +17,6 @@ from tests.helpers import ours_from_hf, random_relay, tiny_drafter, tiny_hf_targ
 CASES = json.loads((FIXTURES / "rounds.json").read_text())["cases"]
 
 
-
 @settings(max_examples=40)
 @given(B=st.integers(2, 16), data=st.data())
 def test_shift_to_slots_matches_definition(B, data):

@@ -58,7 +58,6 @@ def sequence(case: dict, target, drafter, n: int = 64) -> torch.Tensor:
     return torch.tensor([case["prompt_ids"] + out.token_ids])
 
 
-
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory) -> Path:
     """A random 4-layer Qwen3 (sharp enough logits for varied greedy text) with a byte-level tokenizer."""
