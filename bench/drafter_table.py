@@ -43,12 +43,14 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--diagnostic-prompts", type=int, default=20, help="per suite, greedy batch-1 rounds")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--device", default="cpu", help="cpu or cuda [cpu]")
+    p.add_argument("--batch", type=int, default=8, help="prompts decoded together [8]")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     tdir = target_dir(args.target)
-    target, tokenizer = load_target(tdir), load_tokenizer(tdir)
+    target, tokenizer = load_target(tdir, device=args.device), load_tokenizer(tdir)
     drafters = {"dflash": load_drafter(drafter_dir(args.dflash), target),
                 "dflow": load_drafter(drafter_dir(args.dflow), target)}
     stops = tuple(stop_token_ids(tokenizer))
@@ -62,7 +64,7 @@ def main() -> None:
             for row, name, relay in ROWS:
                 d = drafters[name]
                 d.use_relay = relay and d.relay is not None
-                r = measure_tau(target, d, prompts, suite, T, args.max_new_tokens, stops, progress=True)
+                r = measure_tau(target, d, prompts, suite, T, args.max_new_tokens, stops, args.batch, progress=True)
                 per[row] = r.per_prompt
                 report["tau"].setdefault(key, {})[row] = r.summary()
                 print(f"{key:12s} {row:18s} tau {r.tau:.3f} +- {sem(r.per_prompt):.3f}  "

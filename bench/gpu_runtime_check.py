@@ -1,10 +1,15 @@
 """GPU check for the static runtime (run on a lent CUDA machine; writes JSON to $OUT or argv[1]).
 
-1. cudagraph and compile backends emit exactly the eager round's tokens (greedy) on the
-   reference fixture pair;
+1. compile and cudagraph backends emit exactly the eager round's tokens (greedy), on the
+   reference fixture pair (which also matches the reference implementation's tokens) and on the
+   bundled target with the bundled DFlow drafter (relay ring buffer inside the captured graph);
 2. with `cudagraph`, `torch.cuda.memory_stats()["allocation.all.allocated"]` does not move
    across 100 `step()` calls after warm-up;
-3. `dflow-rt bench --suite runtime` figures for eager / compile / cudagraph, batch 1 and 4.
+3. `dflow-rt bench --suite runtime` figures for eager / compile / cudagraph, batch 1 and 4, on
+   the bundled target and DFlash drafter.
+
+Each part records its error instead of stopping the others (device time is scarce), and the
+JSON is rewritten after each part.
 
 Usage: PYTHONPATH=. python bench/gpu_runtime_check.py OUT_DIR
 """
@@ -13,6 +18,8 @@ import json
 import os
 import sys
 import time
+import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -20,44 +27,81 @@ import torch
 import dflow_rt
 from dflow_rt.bench.runtime import bench_runtime, format_table
 from dflow_rt.config import RuntimeConfig
+from dflow_rt.eval.suites import suite_prompts
+from dflow_rt.models.bundled import drafter_dir, target_dir
 from dflow_rt.runtime import Runtime
+from dflow_rt.tokenizer import load_tokenizer
 
 FIXTURES = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "dflash_reference"
+BACKENDS = ("eager", "compile", "cudagraph")
+
+
+def same_tokens(target, drafter, prompts: list[list[int]], max_new: int, expected=None, buckets=None) -> dict:
+    """Greedy tokens of every backend against eager (and `expected`, when given)."""
+    out, report = {}, {}
+    for backend in BACKENDS:
+        t = time.perf_counter()
+        rt = Runtime(target, drafter, RuntimeConfig(max_batch=4, max_len=512, backend=backend, batch_buckets=buckets))
+        out[backend] = rt.generate(prompts, max_new_tokens=max_new)
+        report[f"{backend}_build_and_generate_s"] = round(time.perf_counter() - t, 1)
+    report["match_eager"] = {b: o == out["eager"] for b, o in out.items()}
+    if expected is not None:
+        report["match_reference"] = {b: o == expected for b, o in out.items()}
+    report["tokens"] = sum(map(len, out["eager"]))
+    return report
+
+
+def allocations_over_steps(target, drafter, prompts: list[list[int]], steps: int = 100) -> dict:
+    rt = Runtime(target, drafter, RuntimeConfig(max_batch=4, max_len=2048, backend="cudagraph", batch_buckets=(4,)))
+    for p in prompts[:4]:
+        rt.add_request(p, max_new_tokens=2048 - len(p) - drafter.block_size)
+    for _ in range(5):
+        rt.step()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_stats()["allocation.all.allocated"]
+    for _ in range(steps):
+        rt.step()
+    torch.cuda.synchronize()
+    after = torch.cuda.memory_stats()["allocation.all.allocated"]
+    return {"steps": steps, "allocations": after - before,
+            "tokens_per_request": [len(rt.requests[r].emitted) for r in rt.requests]}
 
 
 def main(out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
-    target = dflow_rt.load_target(FIXTURES / "target", dtype=torch.float32, device="cuda")
-    drafter = dflow_rt.load_drafter(FIXTURES / "drafter", target)
-    cases = json.loads((FIXTURES / "rounds.json").read_text())["cases"]
-    prompts = [c["prompt_ids"] for c in cases]
-    outputs = {}
-    for backend in ("eager", "compile", "cudagraph"):
+
+    def part(name: str, fn: Callable[[], dict]) -> None:
         t = time.perf_counter()
-        rt = Runtime(target, drafter, RuntimeConfig(max_batch=4, max_len=256, backend=backend))
-        outputs[backend] = rt.generate(prompts, max_new_tokens=64)
-        report[f"{backend}_build_and_generate_s"] = time.perf_counter() - t
-    report["tokens_match_reference"] = {b: o == [c["output_ids"] for c in cases] for b, o in outputs.items()}
+        try:
+            report[name] = fn()
+        except Exception:  # keep the other parts' figures
+            report[name] = {"error": traceback.format_exc()}
+        report[name]["seconds"] = round(time.perf_counter() - t, 1)
+        print(name, json.dumps({k: v for k, v in report[name].items() if k != "rows"}, indent=1), flush=True)
+        (out_dir / "gpu_runtime_check.json").write_text(json.dumps(report, indent=1))
 
-    rt = Runtime(target, drafter, RuntimeConfig(max_batch=4, max_len=4096, backend="cudagraph"))
-    for p in prompts[:4]:
-        rt.add_request(p, max_new_tokens=3000)
-    for _ in range(5):
-        rt.step()
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_stats()["allocation.all.allocated"]
-    for _ in range(100):
-        rt.step()
-    torch.cuda.synchronize()
-    after = torch.cuda.memory_stats()["allocation.all.allocated"]
-    report["allocations_over_100_steps"] = after - before
+    fixture_target = dflow_rt.load_target(FIXTURES / "target", dtype=torch.float32, device="cuda")
+    fixture_drafter = dflow_rt.load_drafter(FIXTURES / "drafter", fixture_target)
+    cases = json.loads((FIXTURES / "rounds.json").read_text())["cases"]
+    fixture_prompts = [c["prompt_ids"] for c in cases]
+    part("fixture_tokens", lambda: same_tokens(fixture_target, fixture_drafter, fixture_prompts, 64,
+                                               [c["output_ids"] for c in cases]))
 
-    bench = bench_runtime(target, drafter, [p[:32] for p in prompts], ["eager", "compile", "cudagraph"], [1, 4], 50)
-    report["bench"] = bench
-    print(format_table(bench))
-    print(json.dumps({k: v for k, v in report.items() if k != "bench"}, indent=2))
-    (out_dir / "gpu_runtime_check.json").write_text(json.dumps(report, indent=2))
+    target = dflow_rt.load_target(target_dir(None), device="cuda")
+    prompts = suite_prompts(load_tokenizer(target_dir(None)), "code", 4, max_prompt_tokens=64)
+    dflow = dflow_rt.load_drafter(drafter_dir("dflow"), target)
+    dflash = dflow_rt.load_drafter(drafter_dir("dflash"), target)
+    # one batch bucket (the memory check's): every bucket's capture is exercised on the fixture pair
+    part("bundled_dflow_tokens", lambda: same_tokens(target, dflow, prompts, 128, buckets=(4,)))
+    part("cudagraph_allocations", lambda: allocations_over_steps(target, dflow, prompts))
+
+    def bench() -> dict:
+        result = bench_runtime(target, dflash, [prompts[0]] * 4, list(BACKENDS), [1, 4], 50)
+        print(format_table(result), flush=True)
+        return result
+
+    part("bench_bundled_dflash", bench)
 
 
 if __name__ == "__main__":

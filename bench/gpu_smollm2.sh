@@ -10,12 +10,13 @@
 #   device run, carry [".gpu/part2"]:  bash bench/gpu_smollm2.sh receive 2
 #   device run, carry [".gpu/part3", ".gpu/wheels"]:  bash bench/gpu_smollm2.sh receive 3 && bash bench/gpu_smollm2.sh run
 #
-# `run` writes $OUT/smollm2.json (tau per drafter, relay on/off, greedy and T=1, HumanEval prompts) and
-# $OUT/smollm2.log. Budgets: DFLASH_MIN (default 3) for DFlash; DFlow = DFlash trained DFLASH_MIN - DFLOW_MIN
-# minutes, then DFLOW_MIN (default 1) minutes of DFlow: the same wall clock. DEVICE=cpu, PROMPTS, NEW (tokens
-# per regenerated prompt), BATCH (sequences per update) STEPS (updates per run instead of minutes),
-# LIMIT (HumanEval prompts, default all 164), DIAG
-# (prompts for the diagnostics, 40) and EVAL_NEW (tokens per evaluated prompt, 128) shrink it to a dry run.
+# `run` writes $OUT/smollm2.json (bench/drafter_table.py's table on HumanEval prompts, greedy and T=1, and
+# the training logs) and $OUT/smollm2.log. Design as in the CPU table (docs/RESULTS.md): one shared DFlash
+# drafter trained BASE_MIN minutes (default 2); DFlow then trains its relay alone on it for DFLOW_MIN minutes (default 1), and DFlash
+# continues the shared drafter for the same number of updates: equal updates and data, DFlow's costing more
+# wall clock. DEVICE=cpu, PROMPTS, NEW (tokens per regenerated prompt), BATCH (sequences per update), STEPS
+# (updates per run instead of minutes), LIMIT (HumanEval prompts, default all 164), DIAG (prompts for the
+# diagnostics, 40) and EVAL_NEW (tokens per evaluated prompt, 128) shrink it to a dry run.
 set -euo pipefail
 STAGE=/tmp/smollm2
 case "${1:-}" in
@@ -39,36 +40,29 @@ run)
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu/wheels/*.whl
   export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
   dr() { python3 -m dflow_rt.cli "$@"; }
-  M=$STAGE/hf W=$STAGE/runs DFLASH_MIN=${DFLASH_MIN:-3} DFLOW_MIN=${DFLOW_MIN:-1} DEV=${DEVICE:-cuda}
+  M=$STAGE/hf W=$STAGE/runs DEV=${DEVICE:-cuda}
   python3 bench/smollm2_to_hf.py --gguf $STAGE/model.gguf --out $M --dtype float32
   dr train regen --target $M --out $W/data.safetensors --prompts ${PROMPTS:-768} --max-new-tokens ${NEW:-192} --batch 128 --device $DEV
   common=(--target $M --data $W/data.safetensors --device $DEV --batch ${BATCH:-16} --eval-prompts 0 --checkpoint-every 100000)
-  if [ -n "${STEPS:-}" ]; then full=(--steps $STEPS) base=(--steps $STEPS) rest=(--steps $STEPS)  # dry run
-  else full=(--minutes $DFLASH_MIN) base=(--minutes $(python3 -c "print($DFLASH_MIN - $DFLOW_MIN)")) rest=(--minutes $DFLOW_MIN)
-  fi
-  dr train dflash "${common[@]}" --out $W/dflash "${full[@]}"
+  if [ -n "${STEPS:-}" ]; then base=(--steps $STEPS) relay=(--steps $STEPS); else base=(--minutes ${BASE_MIN:-2}) relay=(--minutes ${DFLOW_MIN:-1}); fi
   dr train dflash "${common[@]}" --out $W/dflash-base "${base[@]}"
   # The relay alone on the frozen base: the DFlow recipe that measured best on CPU (docs/RESULTS.md).
-  dr train dflow "${common[@]}" --out $W/dflow --init $W/dflash-base --lr 1e-3 --base-lr-scale 0 "${rest[@]}"
-  for T in 0 1; do
-    for d in dflash dflow; do
-      dr eval-tau --target $M --drafter $W/$d --suite code --temperature $T --batch 32 --limit ${LIMIT:-164} --max-new-tokens ${EVAL_NEW:-128} --json > $W/tau_${d}_T$T.json
-    done
-    dr eval-tau --target $M --drafter $W/dflow --suite code --temperature $T --batch 32 --limit ${LIMIT:-164} --max-new-tokens ${EVAL_NEW:-128} --no-relay --json \
-      > $W/tau_dflow-norelay_T$T.json
-  done
-  dr eval-tau --target $M --drafter $W/dflow --suite code --limit ${DIAG:-40} --max-new-tokens ${EVAL_NEW:-128} --diagnostics --json > $W/diagnostics.json
+  dr train dflow "${common[@]}" --out $W/dflow --init $W/dflash-base --lr 1e-3 --base-lr-scale 0 "${relay[@]}"
+  steps=$(python3 -c "import json,sys; print([json.loads(l) for l in open(sys.argv[1])][-1]['step'])" $W/dflow/train_log.jsonl)
+  # DFlash continues at its schedule's final lr (1e-4 = 1e-3 x min-lr-ratio 0.1), constant, for as many updates.
+  dr train dflash "${common[@]}" --out $W/dflash --init $W/dflash-base --lr 1e-4 --warmup 0 --min-lr-ratio 1 --steps $steps
+  # DFlash, DFlow and DFlow relay-off (= the shared base, exactly: the relay trained alone) on HumanEval,
+  # greedy and T = 1, paired per-prompt differences, and the relay diagnostics; JSON after each suite.
+  python3 bench/drafter_table.py --target $M --dflash $W/dflash --dflow $W/dflow --suites code --device $DEV --batch 32 \
+    --limit ${LIMIT:-164} --max-new-tokens ${EVAL_NEW:-128} --diagnostic-prompts ${DIAG:-40} --json $W/table.json
   python3 - "$W" "${OUT:-.}/smollm2.json" <<'PY'
 import json, pathlib, sys
 w = pathlib.Path(sys.argv[1])
-report = {p.stem: json.loads(p.read_text()) for p in sorted(w.glob("*.json"))}
-for name in ("dflash", "dflash-base", "dflow"):
+report = {"table": json.loads((w / "table.json").read_text())}
+for name in ("dflash-base", "dflow", "dflash"):
     log = [json.loads(line) for line in (w / name / "train_log.jsonl").read_text().splitlines()]
     report[f"train_{name}"] = [r for r in log if r["event"] in ("plan", "end", "eval")]
 pathlib.Path(sys.argv[2]).write_text(json.dumps(report, indent=1))
-for k, v in report.items():
-    if k.startswith("tau_"):
-        print(k, v["suites"]["code"]["tau"], "+-", v["suites"]["code"]["tau_se"])
 PY
   ;;
 *) echo "usage: $0 prepare | receive N | run" >&2; exit 2 ;;
