@@ -235,7 +235,9 @@ def train_drafter(kind: str, target_dir: str | Path, data: str | Path, out: str 
     threads = threads or max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", d.world)))
     torch.set_num_threads(threads)
     settings, state = resolve_settings(kind, given, out, resume)
-    target = load_target(target_dir, device=dev).requires_grad_(False)
+    # float32 on every device: the drafter trains in float32 on the target's features and embeddings
+    # (load_target's CUDA default, bfloat16, would feed bf16 activations to float32 weights)
+    target = load_target(target_dir, dtype=torch.float32, device=dev).requires_grad_(False)
     digests = {"target_digest": model_digest(target_dir), "data_digest": file_digest(data)}
     if state and any(state["run"][k] != v for k, v in digests.items()):
         raise InputError("--resume needs the same --target and --data as the checkpoint's run")
