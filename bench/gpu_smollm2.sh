@@ -17,6 +17,10 @@
 # wall clock. DEVICE=cpu, PROMPTS, NEW (tokens per regenerated prompt), BATCH (sequences per update), STEPS
 # (updates per run instead of minutes), LIMIT (HumanEval prompts, default all 164), DIAG (prompts for the
 # diagnostics, 40) and EVAL_NEW (tokens per evaluated prompt, 128) shrink it to a dry run.
+#
+# Measured on an H200 (2026-11-30, docs/RESULTS.md): machine start ~35 s, each receive ~5 s; in `run`,
+# GGUF conversion ~30 s, regen of 640 prompts 60 s, then the budgets above plus ~15 s per process. The
+# HumanEval evaluation's speed there is not known yet: give it what is left, or lower LIMIT.
 set -euo pipefail
 STAGE=/tmp/smollm2
 case "${1:-}" in
