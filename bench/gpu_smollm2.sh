@@ -43,8 +43,9 @@ run)
   [ "$(sha256sum $STAGE/model.gguf | cut -d' ' -f1)" = "$(cat .gpu/wheels/gguf.sha256)" ] || { echo "GGUF parts do not match"; exit 1; }
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu/wheels/*.whl
   export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-  dr() { python3 -m dflow_rt.cli "$@"; }
+  dr() { echo "[$(date +%T)] dflow-rt $1 ${2:-}"; python3 -m dflow_rt.cli "$@"; }  # stage times in the log
   M=$STAGE/hf W=$STAGE/runs DEV=${DEVICE:-cuda}
+  echo "[$(date +%T)] convert"
   python3 bench/smollm2_to_hf.py --gguf $STAGE/model.gguf --out $M --dtype float32
   dr train regen --target $M --out $W/data.safetensors --prompts ${PROMPTS:-768} --max-new-tokens ${NEW:-192} --batch 128 --device $DEV
   common=(--target $M --data $W/data.safetensors --device $DEV --batch ${BATCH:-16} --eval-prompts 0 --checkpoint-every 100000)
@@ -57,6 +58,7 @@ run)
   dr train dflash "${common[@]}" --out $W/dflash --init $W/dflash-base --lr 1e-4 --warmup 0 --min-lr-ratio 1 --steps $steps
   # DFlash, DFlow and DFlow relay-off (= the shared base, exactly: the relay trained alone) on HumanEval,
   # greedy and T = 1, paired per-prompt differences, and the relay diagnostics; JSON after each suite.
+  echo "[$(date +%T)] drafter_table"
   python3 bench/drafter_table.py --target $M --dflash $W/dflash --dflow $W/dflow --suites code --device $DEV --batch 32 \
     --limit ${LIMIT:-164} --max-new-tokens ${EVAL_NEW:-128} --diagnostic-prompts ${DIAG:-40} --json $W/table.json
   python3 - "$W" "${OUT:-.}/smollm2.json" <<'PY'
