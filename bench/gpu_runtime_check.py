@@ -2,11 +2,12 @@
 
 1. compile and cudagraph backends emit exactly the eager round's tokens (greedy), on the
    reference fixture pair (which also matches the reference implementation's tokens) and on the
-   bundled target with the bundled DFlow drafter (relay ring buffer inside the captured graph);
+   bundled target with the bundled DFlow drafter (relay ring buffer inside the captured graph),
+   in float32 (and, for the record, in bf16, where exact agreement is not expected);
 2. with `cudagraph`, `torch.cuda.memory_stats()["allocation.all.allocated"]` does not move
    across 100 `step()` calls after warm-up;
 3. `dflow-rt bench --suite runtime` figures for eager / compile / cudagraph, batch 1 and 4, on
-   the bundled target and DFlash drafter.
+   the bundled target and DFlash drafter in bf16.
 
 Each part records its error instead of stopping the others (device time is scarce), and the
 JSON is rewritten after each part.
@@ -14,6 +15,7 @@ JSON is rewritten after each part.
 Usage: PYTHONPATH=. python bench/gpu_runtime_check.py OUT_DIR
 """
 
+import functools
 import json
 import os
 import sys
@@ -88,13 +90,17 @@ def main(out_dir: Path) -> None:
     part("fixture_tokens", lambda: same_tokens(fixture_target, fixture_drafter, fixture_prompts, 64,
                                                [c["output_ids"] for c in cases]))
 
-    target = dflow_rt.load_target(target_dir(None), device="cuda")
+    # Token checks in float32: in bf16 compiled kernels round differently from eager ops, and greedy
+    # near-ties then break differently (docs/RESULTS.md), which says nothing about the round's logic.
+    # One batch bucket (the memory check's): every bucket's capture is exercised on the fixture pair.
     prompts = suite_prompts(load_tokenizer(target_dir(None)), "code", 4, max_prompt_tokens=64)
-    dflow = dflow_rt.load_drafter(drafter_dir("dflow"), target)
-    dflash = dflow_rt.load_drafter(drafter_dir("dflash"), target)
-    # one batch bucket (the memory check's): every bucket's capture is exercised on the fixture pair
-    part("bundled_dflow_tokens", lambda: same_tokens(target, dflow, prompts, 128, buckets=(4,)))
+    for dtype in (torch.float32, torch.bfloat16):
+        target = dflow_rt.load_target(target_dir(None), dtype=dtype, device="cuda")
+        dflow = dflow_rt.load_drafter(drafter_dir("dflow"), target)
+        tokens = functools.partial(same_tokens, target, dflow, prompts, 128, buckets=(4,))
+        part(f"bundled_dflow_tokens_{str(dtype)[6:]}", tokens)
     part("cudagraph_allocations", lambda: allocations_over_steps(target, dflow, prompts))
+    dflash = dflow_rt.load_drafter(drafter_dir("dflash"), target)
 
     def bench() -> dict:
         result = bench_runtime(target, dflash, [prompts[0]] * 4, list(BACKENDS), [1, 4], 50)
