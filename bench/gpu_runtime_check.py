@@ -99,6 +99,7 @@ def main(out_dir: Path) -> None:
         dflow = dflow_rt.load_drafter(drafter_dir("dflow"), target)
         tokens = functools.partial(same_tokens, target, dflow, prompts, 128, buckets=(4,))
         part(f"bundled_dflow_tokens_{str(dtype)[6:]}", tokens)
+    # the loop leaves the bf16 pair: the allocation check and the bench run as a GPU user's would
     part("cudagraph_allocations", lambda: allocations_over_steps(target, dflow, prompts))
     dflash = dflow_rt.load_drafter(drafter_dir("dflash"), target)
 

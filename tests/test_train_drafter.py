@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 import dflow_rt
+from dflow_rt.models import checkpoint
 from dflow_rt.models.drafter import with_relay
 from dflow_rt.models.target import Target, TargetConfig
 from dflow_rt.tokenizer import load_tokenizer, train_tokenizer
@@ -329,6 +330,16 @@ def test_dflow_training_writes_a_loadable_dflow_drafter(tiny_dir, data_file, dfl
     assert capsys.readouterr().err.count("fixes the drafter's shape; conflicting: --") == 3
     assert run_cli(["dflow", *common, str(out), "--out", str(tmp_path / "c4"), "--relay-hidden", "24",
                     "--block-size", "8", "--lr", "1e-12"]) == 0  # repeating the parent's own shape is fine
+
+
+def test_training_runs_in_float32_where_targets_load_in_bf16(tiny_dir, data_file, dflash_run, tmp_path, monkeypatch):
+    """On CUDA `load_target` defaults to bf16; drafter training must still feed float32 features to its
+    float32 weights (on a GPU it stopped at its first step with a dtype mismatch when it did not)."""
+    monkeypatch.setattr(checkpoint, "default_dtype", lambda device: torch.bfloat16)
+    out = tmp_path / "dflow"
+    assert run_cli(["dflow", "--target", str(tiny_dir), "--data", str(data_file), "--out", str(out), *RUN,
+                    "--init", str(dflash_run), "--steps", "2"]) == 0
+    assert {v.dtype for v in load_file(out / "model.safetensors").values()} == {torch.float32}
 
 
 def test_relay_learning_rate_scale(reference_pair):
