@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 import dflow_rt
+from dflow_rt.errors import InputError
 from dflow_rt.models import checkpoint
 from dflow_rt.models.drafter import with_relay
 from dflow_rt.models.target import Target, TargetConfig
@@ -231,6 +232,15 @@ def test_regen_writes_target_greedy_continuations_of_training_prompts(tiny_dir, 
                          seqs.prompt_lens[:8].tolist(), seqs.kinds[:8].tolist(), {**seqs.meta, "target": "x"})
     regen.regenerate(tiny_dir, done, prompts=24, max_new_tokens=56, batch=8, max_prompt_tokens=40)
     assert torch.equal(regen.load_sequences(done).tokens, seqs.tokens)
+    # A later range of prompts (fresh data for a continuation) is the tail of the full run.
+    tail = tmp_path / "tail.safetensors"
+    assert run_cli(["regen", "--target", str(tiny_dir), "--out", str(tail), "--prompts", "8", "--first-prompt", "16",
+                    "--max-new-tokens", "56", "--max-prompt-tokens", "40", "--batch", "8", "--threads", "1"]) == 0
+    later = regen.load_sequences(tail)
+    assert [later[i].tolist() for i in range(8)] == [seqs[i].tolist() for i in range(16, 24)]
+    assert later.meta["first_prompt"] == 16 and "first_prompt" not in seqs.meta
+    with pytest.raises(InputError, match="first-prompt"):
+        regen.regenerate(tiny_dir, tmp_path / "bad.safetensors", prompts=2, first_prompt=-1)
 
 
 def test_anchor_batches_do_not_depend_on_world_size(data_file):

@@ -90,7 +90,7 @@ def cmd_regen(args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     out = regenerate(args.target, args.out, prompts=args.prompts, max_new_tokens=args.max_new_tokens, seed=args.seed,
                      batch=args.batch, max_prompt_tokens=args.max_prompt_tokens, stop_tail=args.stop_tail,
-                     threads=args.threads, device=args.device)
+                     threads=args.threads, device=args.device, first_prompt=args.first_prompt)
     print(f"wrote {out}: {args.prompts} sequences ({time.perf_counter() - t0:.0f} s)")
 
 
@@ -100,6 +100,8 @@ def _regen_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", type=int, default=2000, help="training prompts: 40%% code, 30%% math, 30%% chat [2000]")
     p.add_argument("--max-new-tokens", type=int, default=256, help="greedy tokens per prompt [256]")
     p.add_argument("--seed", type=int, default=0, help="prompt selection [0]")
+    p.add_argument("--first-prompt", type=int, default=0,
+                   help="start at this training prompt: a later range of the same seed is fresh data [0]")
     p.add_argument("--batch", type=int, default=16, help="prompts decoded together [16]")
     p.add_argument("--max-prompt-tokens", type=int, default=128, help="longer prompts keep their end [128]")
     p.add_argument("--stop-tail", type=int, default=16, help="tokens kept after the first stop token [16]")

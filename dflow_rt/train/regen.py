@@ -162,13 +162,17 @@ def load_sequences(path: str | Path) -> Sequences:
 
 def regenerate(target_dir: str | Path, out: str | Path, prompts: int = 2000, max_new_tokens: int = 256,
                seed: int = 0, batch: int = 16, max_prompt_tokens: int = 128, stop_tail: int = 16,
-               threads: int | None = None, device: str = "cpu") -> Path:
-    """Write `out`; progress is saved to `out.partial` after every batch, and a rerun continues from it."""
+               threads: int | None = None, device: str = "cpu", first_prompt: int = 0) -> Path:
+    """Write `out` with training prompts first_prompt .. first_prompt + prompts - 1 (prompt i is the same
+    in every run with this seed, so a later range is data no earlier run has seen); progress is saved to
+    `out.partial` after every batch, and a rerun continues from it."""
     from tqdm import tqdm
 
     from dflow_rt.models.checkpoint import load_target
     from dflow_rt.tokenizer import load_tokenizer, stop_token_ids
 
+    if first_prompt < 0:
+        raise InputError(f"--first-prompt must be >= 0, got {first_prompt}")
     if threads:
         torch.set_num_threads(threads)
     out = Path(out)
@@ -179,6 +183,8 @@ def regenerate(target_dir: str | Path, out: str | Path, prompts: int = 2000, max
     meta = {"target": str(target_dir), "target_digest": model_digest(target_dir), "prompts": prompts,
             "max_new_tokens": max_new_tokens, "seed": seed, "max_prompt_tokens": max_prompt_tokens,
             "stop_tail": stop_tail, "stop_ids": stops, "kinds": list(KINDS), "vocab_size": target.config.vocab_size}
+    if first_prompt:  # absent when 0: files written before the option stay byte-identical to new ones
+        meta["first_prompt"] = first_prompt
     seqs, plens, kinds = [], [], []
     if partial.exists():
         done = load_sequences(partial)
@@ -188,7 +194,7 @@ def regenerate(target_dir: str | Path, out: str | Path, prompts: int = 2000, max
     out.parent.mkdir(parents=True, exist_ok=True)
     bar = tqdm(total=prompts, initial=len(seqs), unit="prompt", smoothing=0.1)
     while len(seqs) < prompts:
-        items = [training_prompt(tokenizer, seed, i, max_prompt_tokens)
+        items = [training_prompt(tokenizer, seed, first_prompt + i, max_prompt_tokens)
                  for i in range(len(seqs), min(prompts, len(seqs) + batch))]
         conts = greedy_batch(target, [ids for _, ids in items], max_new_tokens, set(stops), stop_tail)
         for (kind, ids), cont in zip(items, conts, strict=True):
