@@ -12,9 +12,9 @@
 #
 # `run` writes $OUT/smollm2.json (bench/drafter_table.py's table on HumanEval prompts, greedy and T=1, and
 # the training logs) and $OUT/smollm2.log. Design as in the CPU table (docs/RESULTS.md): one shared DFlash
-# drafter trained BASE_MIN minutes (default 2); DFlow then trains its relay alone on it for DFLOW_MIN minutes (default 1), and DFlash
-# continues the shared drafter for the same number of updates: equal updates and data, DFlow's costing more
-# wall clock. DEVICE=cpu, PROMPTS, NEW (tokens per regenerated prompt), BATCH (sequences per update), STEPS
+# drafter trained BASE_MIN minutes (default 2); DFlow then trains its relay alone on it for DFLOW_MIN
+# minutes (default 1), and DFlash continues the shared drafter for the same number of updates: equal
+# updates and data, DFlow's costing more wall clock. DEVICE=cpu, PROMPTS, NEW (tokens per regenerated prompt), BATCH (sequences per update), STEPS
 # (updates per run instead of minutes), LIMIT (HumanEval prompts, default all 164), DIAG (prompts for the
 # diagnostics, 40) and EVAL_NEW (tokens per evaluated prompt, 128) shrink it to a dry run.
 #
@@ -49,7 +49,9 @@ run)
   python3 bench/smollm2_to_hf.py --gguf $STAGE/model.gguf --out $M --dtype float32
   dr train regen --target $M --out $W/data.safetensors --prompts ${PROMPTS:-768} --max-new-tokens ${NEW:-192} --batch 128 --device $DEV
   common=(--target $M --data $W/data.safetensors --device $DEV --batch ${BATCH:-16} --eval-prompts 0 --checkpoint-every 100000)
-  if [ -n "${STEPS:-}" ]; then base=(--steps $STEPS) relay=(--steps $STEPS); else base=(--minutes ${BASE_MIN:-2}) relay=(--minutes ${DFLOW_MIN:-1}); fi
+  if [ -n "${STEPS:-}" ]; then base=(--steps $STEPS) relay=(--steps $STEPS)  # dry run
+  else base=(--minutes ${BASE_MIN:-2}) relay=(--minutes ${DFLOW_MIN:-1})
+  fi
   dr train dflash "${common[@]}" --out $W/dflash-base "${base[@]}"
   # The relay alone on the frozen base: the DFlow recipe that measured best on CPU (docs/RESULTS.md).
   dr train dflow "${common[@]}" --out $W/dflow --init $W/dflash-base --lr 1e-3 --base-lr-scale 0 "${relay[@]}"
