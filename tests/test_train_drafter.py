@@ -425,3 +425,57 @@ def test_ddp_two_ranks_match_one_process_for_dflow(tiny_dir, data_file, dflash_r
     assert max(abs(curves[0][s] - curves[1][s]) for s in curves[0]) < 1e-4
     assert curves[0][1] != curves[0][6]  # it trained
     assert log(two)[0]["world"] == 2
+
+
+def test_bf16_target_trains_a_float32_drafter_like_a_float32_target(reference_pair):
+    """`--target-dtype bfloat16`: the frozen target in bf16 under a float32 DFlow drafter (casts where they
+    meet: embeddings, features, head, relay inputs) gives the float32 target's loss and gradients up to
+    bf16 rounding."""
+    import copy
+
+    target, drafter = reference_pair[0], random_relay(reference_pair[1])
+    ids = sequence(CASES[0], target, drafter)
+    batch = (ids, torch.tensor([ids.shape[1]]), torch.tensor([[2, 9, 20]]), torch.ones(1, 3, dtype=torch.bool))
+
+    def run(t) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        drafter.zero_grad(set_to_none=True)
+        loss = DraftObjective(drafter, t, 7.0, rounds=3)(*batch)[0]
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in drafter.named_parameters()}
+
+    loss32, grads32 = run(target)
+    loss16, grads16 = run(copy.deepcopy(target).to(torch.bfloat16))
+    assert loss16.dtype == torch.float32 and all(g.dtype == torch.float32 for g in grads16.values())
+    torch.testing.assert_close(loss16, loss32, rtol=2e-2, atol=0)
+    for name in ("fc.weight", "layers.0.mlp.down_proj.weight", "relay.fc2.weight"):
+        assert F.cosine_similarity(grads16[name].flatten(), grads32[name].flatten(), dim=0) > 0.98, name
+
+
+def test_generate_is_lossless_with_a_bf16_target_and_a_float32_drafter(reference_pair):
+    """Mixed dtypes at inference too: the drafts cross over, the bf16 target's own greedy text comes out."""
+    import copy
+
+    target = copy.deepcopy(reference_pair[0]).to(torch.bfloat16)
+    drafter = random_relay(reference_pair[1])
+    for case in CASES[:2]:
+        plain = dflow_rt.generate(target, None, case["prompt_ids"], max_new_tokens=40).token_ids
+        out = dflow_rt.generate(target, drafter, case["prompt_ids"], max_new_tokens=40)
+        assert out.token_ids == plain
+        runtime = dflow_rt.Runtime(target, drafter, dflow_rt.RuntimeConfig(max_batch=2, max_len=256))
+        assert runtime.generate([case["prompt_ids"]], max_new_tokens=40)[0] == plain
+
+
+def test_target_dtype_option_trains_and_is_kept_on_resume(tiny_dir, data_file, dflash_run, tmp_path, capsys):
+    out = tmp_path / "dflow-bf16"
+    args = ["dflow", "--target", str(tiny_dir), "--data", str(data_file), "--out", str(out), *RUN,
+            "--init", str(dflash_run), "--steps", "3", "--eval-prompts", "1", "--target-dtype", "bfloat16"]
+    assert run_cli([*args, "--run-steps", "2"]) == 0
+    ckpt = load_file(out / "checkpoint" / "model" / "model.safetensors")
+    assert {v.dtype for v in ckpt.values()} == {torch.float32}  # the drafter trains in float32
+    assert run_cli([*args[:-2], "--resume", "--target-dtype", "float32"]) == 2
+    assert "conflicting: --target-dtype float32" in capsys.readouterr().err
+    assert run_cli([*args[:-2], "--resume"]) == 0
+    assert {v.dtype for v in load_file(out / "model.safetensors").values()} == {torch.float32}
+    records = log(out)
+    assert records[0]["settings"]["target_dtype"] == "bfloat16"
+    assert all(torch.isfinite(torch.tensor(r["loss1"])) for r in records if r["event"] == "draft")

@@ -78,6 +78,16 @@ class Drafter(nn.Module):
     def target_layer_ids(self) -> tuple[int, ...]:
         return self.config.target_layer_ids
 
+    # The drafter runs in its own dtype, which may differ from the target's (a bf16 target under a
+    # float32 drafter in training): values cross over at the target's embeddings, features and head.
+    def embed(self, target: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        """The target's (frozen, shared) embeddings of `ids`, in the drafter's dtype."""
+        return target.embed_tokens(ids).to(self.fc.weight.dtype)
+
+    def logits(self, target: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's (frozen, shared) head over drafter hidden states, in the target's dtype."""
+        return target.lm_head(hidden.to(target.lm_head.weight.dtype))
+
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         c, w = self.config, self.fc.weight
         return KVCache(c.num_hidden_layers, batch, c.num_key_value_heads, max_len, c.head_dim, w.dtype, w.device)
@@ -93,7 +103,7 @@ class Drafter(nn.Module):
         pick = (lambda t: t) if rows is None else (lambda t: t[rows])
         features, valid = shift_to_slots(pick(buffer.features), pick(buffer.accepted))
         u = self.hidden_norm(self.fc(features))
-        relay = self.relay(u, embed(pick(buffer.bonus)), embed(pick(buffer.rejected)))
+        relay = self.relay(u, embed(pick(buffer.bonus)).to(u.dtype), embed(pick(buffer.rejected)).to(u.dtype))
         return relay * valid[..., None].to(relay.dtype), valid
 
     def write_context(self, ctx_feat: torch.Tensor, ctx_pos: torch.Tensor, cache: KVCache,
@@ -103,7 +113,7 @@ class Drafter(nn.Module):
         Context features are not transformed layer to layer: each layer applies its own
         k/v projections to the same `hidden_norm(fc(features))`.
         """
-        ctx = self.hidden_norm(self.fc(ctx_feat))
+        ctx = self.hidden_norm(self.fc(ctx_feat.to(self.fc.weight.dtype)))
         cos, sin = self.rotary(ctx_pos, ctx.dtype)
         for i, layer in enumerate(self.layers):
             k, v = layer.self_attn.key_value(ctx, cos, sin)
@@ -147,7 +157,7 @@ class Drafter(nn.Module):
         With a DFlow relay and a `relay` buffer holding the last verify pass, the rejected
         suffix's features enter the pass (added to the mask embeddings, or as keys/values).
         """
-        emb, relay_kv = target.embed_tokens(block_ids), None
+        emb, relay_kv = self.embed(target, block_ids), None
         if self.use_relay and relay is not None:
             vectors, valid = self.relay_vectors(target.embed_tokens, relay, rows)
             if self.config.relay_input == "kv":
@@ -155,7 +165,7 @@ class Drafter(nn.Module):
             else:
                 emb = emb + vectors
         h = self(emb, block_pos, ctx_feat, ctx_pos, cache, rows, relay_kv)
-        return target.lm_head(h[:, 1:]).argmax(-1)
+        return self.logits(target, h[:, 1:]).argmax(-1)
 
 
 def with_relay(drafter: Drafter, relay_hidden: int, seed: int = 0, relay_input: str = "mask_embedding") -> Drafter:

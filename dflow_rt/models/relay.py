@@ -109,7 +109,7 @@ class RelayBuffer:
         """Record one verify pass of `rows` (None: all): features [b, B, F], ids [b, B], accepted [b]."""
         B, a = block.shape[1], accepted[:, None]
         idx = slice(None) if rows is None else rows
-        self.features[idx] = features
+        self.features[idx] = features.to(self.features.dtype)  # the target may run in another dtype
         self.accepted[idx] = accepted
         self.bonus[idx] = verified.gather(1, a)[:, 0]
         self.rejected[idx] = block.gather(1, (a + 1).clamp(max=B - 1))[:, 0]

@@ -168,6 +168,8 @@ def _drafter_parser(p: argparse.ArgumentParser, dflow: bool) -> None:
     r.add_argument("--eval-prompts", type=int, default=8, help="held-out prompts for real tau at checkpoints [8]")
     r.add_argument("--eval-max-new-tokens", type=int, default=64, help="tokens generated per eval prompt [64]")
     r.add_argument("--device", default="cpu", help="cpu or cuda (under torchrun: each rank's own GPU, nccl) [cpu]")
+    r.add_argument("--target-dtype", choices=("float32", "bfloat16"),
+                   help="dtype of the frozen target; the drafter trains in float32 either way [float32]")
     p.set_defaults(run=cmd_drafter)
 
 

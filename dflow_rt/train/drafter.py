@@ -33,7 +33,8 @@ from dflow_rt.train.regen import (
 # Settings that define a run (a resumed run keeps its own). `batch` is per rank, like the target's.
 DFLASH_DEFAULTS = {"block_size": 16, "layers": 2, "target_layers": None, "mask_token_id": None, "anchors": 32,
                    "lr": 1e-3, "gamma": "auto", "warmup": 50, "min_lr_ratio": 0.1, "weight_decay": 0.01, "clip": 1.0,
-                   "seed": 0, "steps": None, "minutes": None, "eval_seqs": 16, "init": None}
+                   "seed": 0, "steps": None, "minutes": None, "eval_seqs": 16, "init": None,
+                   "target_dtype": "float32"}
 DFLOW_DEFAULTS = {**DFLASH_DEFAULTS, "relay_hidden": None, "relay_input": "mask_embedding", "relay_lr_scale": 1.0,
                   "base_lr_scale": 1.0, "rounds": 3, "base_first_round": False}
 
@@ -178,7 +179,7 @@ def build_drafter(kind: str, target: Target, target_dir: Path, s: dict, given: d
     zero-init relay). `given` (the settings passed explicitly) must not contradict the --init drafter's shape."""
     t = target.config
     if s["init"]:
-        parent = load_drafter(s["init"], target)
+        parent = load_drafter(s["init"], target, dtype=torch.float32)
         check_init_shape(s["init"], parent, given or {})
         if kind == "dflash":
             if parent.relay is not None:
@@ -235,16 +236,17 @@ def train_drafter(kind: str, target_dir: str | Path, data: str | Path, out: str 
     threads = threads or max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", d.world)))
     torch.set_num_threads(threads)
     settings, state = resolve_settings(kind, given, out, resume)
-    # float32 on every device: the drafter trains in float32 on the target's features and embeddings
-    # (load_target's CUDA default, bfloat16, would feed bf16 activations to float32 weights)
-    target = load_target(target_dir, dtype=torch.float32, device=dev).requires_grad_(False)
+    # The drafter trains in float32; the frozen target runs in float32 too unless asked for bfloat16,
+    # which halves its memory (a real 8B target) and casts where the two meet (`Drafter.embed`, `.logits`).
+    target_dtype = getattr(torch, settings["target_dtype"])
+    target = load_target(target_dir, dtype=target_dtype, device=dev).requires_grad_(False)
     digests = {"target_digest": model_digest(target_dir), "data_digest": file_digest(data)}
     if state and any(state["run"][k] != v for k, v in digests.items()):
         raise InputError("--resume needs the same --target and --data as the checkpoint's run")
     seqs = load_sequences(data)
     if int(seqs.tokens.max()) >= target.config.vocab_size:
         raise InputError(f"{data}: token ids beyond the target's vocabulary of {target.config.vocab_size}")
-    drafter = (load_drafter(Path(state["_dir"]) / "model", target) if state else
+    drafter = (load_drafter(Path(state["_dir"]) / "model", target, dtype=torch.float32) if state else
                build_drafter(kind, target, target_dir, settings, given)).to(dev).train()
     B, s, layer_ids = drafter.block_size, settings, drafter.target_layer_ids
     gamma = auto_gamma(B) if s["gamma"] == "auto" else float(s["gamma"])

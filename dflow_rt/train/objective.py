@@ -94,7 +94,7 @@ def target_verify(target: Target, kv: list, blocks: torch.Tensor, starts: torch.
 
 def drafter_context(drafter: Drafter, feats: torch.Tensor) -> list:
     """Per-layer context K/V, as `Drafter.write_context` caches them (shared by all blocks and rounds)."""
-    ctx = drafter.hidden_norm(drafter.fc(feats))
+    ctx = drafter.hidden_norm(drafter.fc(feats.to(drafter.fc.weight.dtype)))
     pos = torch.arange(feats.shape[1], device=feats.device).expand(feats.shape[:2])
     cos, sin = drafter.rotary(pos, ctx.dtype)
     return [layer.self_attn.key_value(ctx, cos, sin) for layer in drafter.layers]
@@ -190,9 +190,9 @@ class DraftObjective(nn.Module):
             truth = ids.gather(1, pos.clamp(max=L - 1).flatten(1)).view(b, N, B)
             block = torch.full_like(truth, d.config.mask_token_id)
             block[..., 0] = truth[..., 0]
-            hidden = self.draft_pass(ctx_kv, t.embed_tokens(block.flatten(1)), starts, relay,
+            hidden = self.draft_pass(ctx_kv, d.embed(t, block.flatten(1)), starts, relay,
                                      self.base_first_round and r > 1)
-            logits = t.lm_head(hidden.view(b, N, B, -1)[:, :, 1:])
+            logits = d.logits(t, hidden.view(b, N, B, -1)[:, :, 1:])
             w = self.weights[1:] * valid[..., 1:]
             ce = F.cross_entropy(logits.flatten(0, 2).float(), truth[..., 1:].flatten(), reduction="none")
             loss = (ce.view_as(w) * w).sum() / w.sum().clamp(min=1e-9)
