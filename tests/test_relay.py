@@ -42,7 +42,7 @@ def test_relay_vectors_follow_the_formula(reference_pair):
     block, verified = torch.randint(0, 23, (1, B)), torch.randint(0, 23, (1, B))
     a = 5
     buf.write(torch.tensor([0]), feats, block, verified, torch.tensor([a]))
-    got, valid = drafter.relay_vectors(E, buf, torch.tensor([0]))
+    got, valid = drafter.relay_vectors(target, buf, torch.tensor([0]))
     got = got[0]
     assert valid[0].tolist() == [1 <= j <= B - 1 - a for j in range(B)]
     sd = drafter.state_dict()

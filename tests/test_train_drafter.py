@@ -160,9 +160,9 @@ def test_dflow_relay_inputs_match_the_inference_round(reference_pair, relay_inpu
             seen["drafts"].append(propose(*args, **kwargs))
             return seen["drafts"][-1]
 
-        def spy_relay(embed, buf, rows, seen=seen, relay_vectors=relay_vectors):
+        def spy_relay(target, buf, rows, seen=seen, relay_vectors=relay_vectors):
             seen["relay"].append((buf.accepted.clone(), buf.bonus.clone(), buf.rejected.clone(),
-                                  relay_vectors(embed, buf, rows)))
+                                  relay_vectors(target, buf, rows)))
             return seen["relay"][-1][3]
 
         drafter.propose, drafter.relay_vectors = spy_propose, spy_relay
@@ -181,7 +181,7 @@ def test_dflow_relay_inputs_match_the_inference_round(reference_pair, relay_inpu
             accepted, bonus, rejected, emb = seen["relay"][r + 1]
             buf = step["relay"]
             assert (buf.accepted, buf.bonus, buf.rejected) == (accepted, bonus, rejected), f"round {r + 2} a/c/d"
-            ours, valid = drafter.relay_vectors(target.embed_tokens, buf, None)
+            ours, valid = drafter.relay_vectors(target, buf, None)
             torch.testing.assert_close(ours, emb[0], atol=1e-4, rtol=1e-4)
             assert torch.equal(valid, emb[1])
             checked += int(accepted) < drafter.block_size - 1  # a round with a rejected suffix to relay

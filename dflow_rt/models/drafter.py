@@ -96,14 +96,14 @@ class Drafter(nn.Module):
         w = self.fc.weight
         return RelayBuffer(batch, block_size or self.block_size, w.shape[1], w.dtype, w.device)
 
-    def relay_vectors(self, embed: nn.Embedding, buffer: RelayBuffer,
-                         rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def relay_vectors(self, target: nn.Module, buffer: RelayBuffer,
+                      rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-slot relay vectors [batch, B, hidden] (zero where nothing is relayed) and which
         slots carry one [batch, B]."""
         pick = (lambda t: t) if rows is None else (lambda t: t[rows])
         features, valid = shift_to_slots(pick(buffer.features), pick(buffer.accepted))
         u = self.hidden_norm(self.fc(features))
-        relay = self.relay(u, embed(pick(buffer.bonus)).to(u.dtype), embed(pick(buffer.rejected)).to(u.dtype))
+        relay = self.relay(u, self.embed(target, pick(buffer.bonus)), self.embed(target, pick(buffer.rejected)))
         return relay * valid[..., None].to(relay.dtype), valid
 
     def write_context(self, ctx_feat: torch.Tensor, ctx_pos: torch.Tensor, cache: KVCache,
@@ -159,7 +159,7 @@ class Drafter(nn.Module):
         """
         emb, relay_kv = self.embed(target, block_ids), None
         if self.use_relay and relay is not None:
-            vectors, valid = self.relay_vectors(target.embed_tokens, relay, rows)
+            vectors, valid = self.relay_vectors(target, relay, rows)
             if self.config.relay_input == "kv":
                 relay_kv = vectors, valid
             else:

@@ -126,10 +126,10 @@ class DraftPass(nn.Module):
         self.drafter = drafter
 
     def forward(self, ctx_kv: list, emb: torch.Tensor, starts: torch.Tensor, relay: RelayBuffer | None,
-                embed: nn.Embedding) -> torch.Tensor:
+                target: Target) -> torch.Tensor:
         relay_kv = None
         if relay is not None:
-            vectors, valid = self.drafter.relay_vectors(embed, relay, None)
+            vectors, valid = self.drafter.relay_vectors(target, relay, None)
             vectors, valid = vectors.view_as(emb), valid.view(emb.shape[:2])
             if self.drafter.config.relay_input == "kv":
                 relay_kv = vectors, valid
@@ -163,12 +163,12 @@ class DraftObjective(nn.Module):
     def draft_pass(self, ctx_kv: list, emb: torch.Tensor, starts: torch.Tensor, relay: RelayBuffer | None,
                    relay_alone: bool) -> torch.Tensor:
         """Drafter hidden states; with `relay_alone`, gradients reach the relay's own weights only."""
-        embed = self._frozen[0].embed_tokens
+        target = self._frozen[0]
         if not relay_alone:
-            return self.draft(ctx_kv, emb, starts, relay, embed)
+            return self.draft(ctx_kv, emb, starts, relay, target)
         shared = {n: p.detach() for n, p in self.draft.named_parameters() if not n.startswith("drafter.relay.")}
         ctx_kv = [(k.detach(), v.detach()) for k, v in ctx_kv]
-        return torch.func.functional_call(self.draft, shared, (ctx_kv, emb, starts, relay, embed))
+        return torch.func.functional_call(self.draft, shared, (ctx_kv, emb, starts, relay, target))
 
     def forward(self, ids: torch.Tensor, lengths: torch.Tensor, starts: torch.Tensor, ok: torch.Tensor,
                 trace: list | None = None, rounds: int | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
