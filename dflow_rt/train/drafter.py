@@ -277,6 +277,5 @@ def train_drafter(kind: str, target_dir: str | Path, data: str | Path, out: str 
     optimizer = make_optimizer(drafter, s["lr"], s["weight_decay"], s.get("relay_lr_scale", 1.0),
                                s.get("base_lr_scale", 1.0), clip_relay_apart=s.get("base_first_round", False))
     result = loop.run(cfg, drafter, optimizer, task, d, info, state)
-    if d.world > 1:
-        torch.distributed.destroy_process_group()
+    loop.close_distributed(d)
     return result

@@ -49,6 +49,15 @@ def init_distributed(device: str = "cpu") -> Dist:
     return Dist(dist.get_rank(), dist.get_world_size())
 
 
+def close_distributed(d: Dist) -> None:
+    """Leave the process group together: rank 0 writes the last checkpoint and export after the loop,
+    and a rank that tore gloo down meanwhile could abort at exit ("terminate called without an active
+    exception", seen once in CI)."""
+    if d.world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def local_device(device: str) -> torch.device:
     """`device` for this process: under torchrun, "cuda" means this rank's own GPU."""
     if device != "cuda":

@@ -160,6 +160,5 @@ def train_target(tokenizer_dir: str | Path, out: str | Path, batch: int = 16, re
         print(f"target: {info['params'] / 1e6:.2f}M parameters, global batch {global_batch} x {s['seq_len']} "
               f"tokens, {d.world} rank(s) x {threads} thread(s)", flush=True)
     result = loop.run(cfg, model, adamw(model, s["lr"], s["weight_decay"]), task, d, info, state)
-    if d.world > 1:
-        torch.distributed.destroy_process_group()
+    loop.close_distributed(d)
     return result
