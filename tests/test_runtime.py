@@ -102,6 +102,23 @@ def test_dflow_relay_in_static_round_matches_reference_round(reference_pair, rel
         assert out == ref.token_ids and cnt == reference_counts(ref)
 
 
+def test_static_round_projects_the_relay_buffer_once(reference_pair):
+    """The static round's context is the relay buffer's features: `fc` runs on them once a round,
+    not once for the context and again for the relay."""
+    target, parent = reference_pair
+    drafter = random_relay(parent)
+    rt = Runtime(target, drafter, RuntimeConfig(max_batch=2, max_len=160, backend="eager"))
+    rt.add_request(CASES[0]["prompt_ids"], max_new_tokens=100)
+    rt.step()  # prefill and a first round
+    calls = []
+    hook = drafter.fc.register_forward_hook(lambda *_: calls.append(1))
+    try:
+        rt.step()
+    finally:
+        hook.remove()
+    assert len(calls) == 1
+
+
 def test_no_recompiles_and_fixed_storage_over_200_rounds(reference_pair):
     target, drafter = reference_pair
     torch._dynamo.reset()

@@ -161,9 +161,9 @@ def test_dflow_relay_inputs_match_the_inference_round(reference_pair, relay_inpu
             seen["drafts"].append(propose(*args, **kwargs))
             return seen["drafts"][-1]
 
-        def spy_relay(target, buf, rows, seen=seen, relay_vectors=relay_vectors):
+        def spy_relay(target, buf, *args, seen=seen, relay_vectors=relay_vectors):
             seen["relay"].append((buf.accepted.clone(), buf.bonus.clone(), buf.rejected.clone(),
-                                  relay_vectors(target, buf, rows)))
+                                  relay_vectors(target, buf, *args)))
             return seen["relay"][-1][3]
 
         drafter.propose, drafter.relay_vectors = spy_propose, spy_relay

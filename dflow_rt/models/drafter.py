@@ -96,28 +96,37 @@ class Drafter(nn.Module):
         w = self.fc.weight
         return RelayBuffer(batch, block_size or self.block_size, w.shape[1], w.dtype, w.device)
 
-    def relay_vectors(self, target: nn.Module, buffer: RelayBuffer,
-                      rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def project(self, features: torch.Tensor) -> torch.Tensor:
+        """Target features [..., K*hidden] -> `hidden_norm(fc(features))` [..., hidden], what both the
+        context keys/values and the relay are made of."""
+        return self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
+
+    def relay_vectors(self, target: nn.Module, buffer: RelayBuffer, rows: torch.Tensor | None,
+                      projected: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-slot relay vectors [batch, B, hidden] (zero where nothing is relayed) and which
-        slots carry one [batch, B]."""
+        slots carry one [batch, B]. `projected`: the buffer's features through `project`, when the
+        caller has them already (the static round, whose context is the same features)."""
         pick = (lambda t: t) if rows is None else (lambda t: t[rows])
-        features, valid = shift_to_slots(pick(buffer.features), pick(buffer.accepted))
-        u = self.hidden_norm(self.fc(features))
+        if projected is None:
+            projected = self.project(pick(buffer.features))
+        u, valid = shift_to_slots(projected, pick(buffer.accepted))
         relay = self.relay(u, self.embed(target, pick(buffer.bonus)), self.embed(target, pick(buffer.rejected)))
         return relay * valid[..., None].to(relay.dtype), valid
 
     def write_context(self, ctx_feat: torch.Tensor, ctx_pos: torch.Tensor, cache: KVCache,
-                      rows: torch.Tensor | None) -> None:
-        """Project target features [batch, n, K*hidden] of positions `ctx_pos` into every layer's cache.
+                      rows: torch.Tensor | None) -> torch.Tensor:
+        """Project target features [batch, n, K*hidden] of positions `ctx_pos` into every layer's
+        cache; returns the projected features.
 
         Context features are not transformed layer to layer: each layer applies its own
-        k/v projections to the same `hidden_norm(fc(features))`.
+        k/v projections to the same `project(features)`.
         """
-        ctx = self.hidden_norm(self.fc(ctx_feat.to(self.fc.weight.dtype)))
+        ctx = self.project(ctx_feat)
         cos, sin = self.rotary(ctx_pos, ctx.dtype)
         for i, layer in enumerate(self.layers):
             k, v = layer.self_attn.key_value(ctx, cos, sin)
             cache.write(i, rows, ctx_pos, k, v)
+        return ctx
 
     def forward(self, block_emb: torch.Tensor, block_pos: torch.Tensor, ctx_feat: torch.Tensor | None,
                 ctx_pos: torch.Tensor | None, cache: KVCache, rows: torch.Tensor | None,
@@ -157,14 +166,18 @@ class Drafter(nn.Module):
         With a DFlow relay and a `relay` buffer holding the last verify pass, the rejected
         suffix's features enter the pass (added to the mask embeddings, or as keys/values).
         """
-        emb, relay_kv = self.embed(target, block_ids), None
+        emb, relay_kv, ctx = self.embed(target, block_ids), None, None
+        if ctx_feat is not None:
+            ctx = self.write_context(ctx_feat, ctx_pos, cache, rows)
         if self.use_relay and relay is not None:
-            vectors, valid = self.relay_vectors(target, relay, rows)
+            # The static round's context is the relay buffer itself: project it once.
+            shared = ctx if rows is None and ctx_feat is relay.features else None
+            vectors, valid = self.relay_vectors(target, relay, rows, shared)
             if self.config.relay_input == "kv":
                 relay_kv = vectors, valid
             else:
                 emb = emb + vectors
-        h = self(emb, block_pos, ctx_feat, ctx_pos, cache, rows, relay_kv)
+        h = self(emb, block_pos, None, None, cache, rows, relay_kv)
         return self.logits(target, h[:, 1:]).argmax(-1)
 
 

@@ -94,7 +94,7 @@ def target_verify(target: Target, kv: list, blocks: torch.Tensor, starts: torch.
 
 def drafter_context(drafter: Drafter, feats: torch.Tensor) -> list:
     """Per-layer context K/V, as `Drafter.write_context` caches them (shared by all blocks and rounds)."""
-    ctx = drafter.hidden_norm(drafter.fc(feats.to(drafter.fc.weight.dtype)))
+    ctx = drafter.project(feats)
     pos = torch.arange(feats.shape[1], device=feats.device).expand(feats.shape[:2])
     cos, sin = drafter.rotary(pos, ctx.dtype)
     return [layer.self_attn.key_value(ctx, cos, sin) for layer in drafter.layers]
