@@ -56,6 +56,13 @@ def main() -> None:
     stops = tuple(stop_token_ids(tokenizer))
     report = {"date": time.strftime("%Y-%m-%d"), "args": vars(args), "tau": {}, "paired": {}, "diagnostics": {}}
     t0 = time.perf_counter()
+
+    def save() -> None:  # after every row: a run cut short (a device's time limit) keeps what it measured
+        report["seconds"] = round(time.perf_counter() - t0, 1)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(report, f, indent=1)
+
     for suite in args.suites:
         prompts = suite_prompts(tokenizer, suite, args.limit)
         for T in args.temperatures:
@@ -69,16 +76,15 @@ def main() -> None:
                 report["tau"].setdefault(key, {})[row] = r.summary()
                 print(f"{key:12s} {row:18s} tau {r.tau:.3f} +- {sem(r.per_prompt):.3f}  "
                       f"({time.perf_counter() - t0:.0f} s)", flush=True)
-            report["paired"][key] = {label: paired(per[a], per[b]) for label, a, b in PAIRS}
+                report["paired"][key] = {label: paired(per[a], per[b]) for label, a, b in PAIRS
+                                         if a in per and b in per}
+                save()
         for name in ("dflash", "dflow"):
             drafters[name].use_relay = drafters[name].relay is not None
             report["diagnostics"].setdefault(suite, {})[name] = relay_diagnostics(
                 target, drafters[name], prompts[:args.diagnostic_prompts], args.max_new_tokens, stops)
+            save()
         print(suite, json.dumps(report["diagnostics"][suite]), flush=True)
-        report["seconds"] = round(time.perf_counter() - t0, 1)
-        if args.json:  # after every suite: a long run that stops keeps what it measured
-            with open(args.json, "w") as f:
-                json.dump(report, f, indent=1)
     print(markdown(report))
 
 

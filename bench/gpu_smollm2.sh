@@ -10,8 +10,8 @@
 #   device run, carry [".gpu/part2"]:  bash bench/gpu_smollm2.sh receive 2
 #   device run, carry [".gpu/part3", ".gpu/wheels"]:  bash bench/gpu_smollm2.sh receive 3 && bash bench/gpu_smollm2.sh run
 #
-# `run` writes $OUT/smollm2.json (bench/drafter_table.py's table on HumanEval prompts, greedy and T=1, and
-# the training logs) and $OUT/smollm2.log. Design as in the CPU table (docs/RESULTS.md): one shared DFlash
+# `run` writes $OUT/smollm2_train.json (the training logs), $OUT/smollm2_table.json (bench/drafter_table.py's
+# table on HumanEval prompts, greedy and T=1, saved after every row) and $OUT/smollm2.log. Design as in the CPU table (docs/RESULTS.md): one shared DFlash
 # drafter trained BASE_MIN minutes (default 2); DFlow then trains its relay alone on it for DFLOW_MIN
 # minutes (default 1), and DFlash continues the shared drafter for the same number of updates: equal
 # updates and data, DFlow's costing more wall clock. DEVICE=cpu, PROMPTS, NEW (tokens per regenerated
@@ -59,20 +59,23 @@ run)
   steps=$(python3 -c "import json,sys; print([json.loads(l) for l in open(sys.argv[1])][-1]['step'])" $W/dflow/train_log.jsonl)
   # DFlash continues at its schedule's final lr (1e-4 = 1e-3 x min-lr-ratio 0.1), constant, for as many updates.
   dr train dflash "${common[@]}" --out $W/dflash --init $W/dflash-base --lr 1e-4 --warmup 0 --min-lr-ratio 1 --steps $steps
-  # DFlash, DFlow and DFlow relay-off (= the shared base, exactly: the relay trained alone) on HumanEval,
-  # greedy and T = 1, paired per-prompt differences, and the relay diagnostics; JSON after each suite.
-  echo "[$(date +%T)] drafter_table"
-  python3 bench/drafter_table.py --target $M --dflash $W/dflash --dflow $W/dflow --suites code --device $DEV --batch 32 \
-    --limit ${LIMIT:-164} --max-new-tokens ${EVAL_NEW:-128} --diagnostic-prompts ${DIAG:-40} --json $W/table.json
-  python3 - "$W" "${OUT:-.}/smollm2.json" <<'PY'
+  # The training logs first, then the table straight into $OUT row by row: a run cut by its time limit
+  # still returns every stage it finished.
+  python3 - "$W" "${OUT:-.}/smollm2_train.json" <<'PY'
 import json, pathlib, sys
 w = pathlib.Path(sys.argv[1])
-report = {"table": json.loads((w / "table.json").read_text())}
+report = {}
 for name in ("dflash-base", "dflow", "dflash"):
     log = [json.loads(line) for line in (w / name / "train_log.jsonl").read_text().splitlines()]
-    report[f"train_{name}"] = [r for r in log if r["event"] in ("plan", "end", "eval")]
+    report[name] = [r for r in log if r["event"] in ("plan", "end", "eval")]
 pathlib.Path(sys.argv[2]).write_text(json.dumps(report, indent=1))
 PY
+  # DFlash, DFlow and DFlow relay-off (= the shared base, exactly: the relay trained alone) on HumanEval,
+  # greedy and T = 1, paired per-prompt differences, and the relay diagnostics.
+  echo "[$(date +%T)] drafter_table"
+  python3 bench/drafter_table.py --target $M --dflash $W/dflash --dflow $W/dflow --suites code --device $DEV --batch 32 \
+    --limit ${LIMIT:-164} --max-new-tokens ${EVAL_NEW:-128} --diagnostic-prompts ${DIAG:-40} --json ${OUT:-.}/smollm2_table.json
+  echo "[$(date +%T)] done"
   ;;
 *) echo "usage: $0 prepare | receive N | run" >&2; exit 2 ;;
 esac
