@@ -12,9 +12,9 @@
 #
 # `run` writes $OUT/smollm2_train.json (the training logs), $OUT/smollm2_table.json (bench/drafter_table.py's
 # table on HumanEval prompts, greedy and T=1, saved after every row) and $OUT/smollm2.log. Design as in the
-# CPU table (docs/RESULTS.md): one shared DFlash drafter trained BASE_MIN minutes (default 2); DFlow then trains its relay alone on it for DFLOW_MIN
-# minutes (default 1), and DFlash continues the shared drafter for the same number of updates: equal
-# updates and data, DFlow's costing more wall clock. DEVICE=cpu, PROMPTS, NEW (tokens per regenerated
+# CPU table (docs/RESULTS.md): one shared DFlash drafter trained BASE_MIN minutes (default 2); DFlow then
+# trains its relay alone on it for DFLOW_MIN minutes (default 1), and DFlash continues the shared drafter
+# for the same number of updates: equal updates and data, DFlow's costing more wall clock. DEVICE=cpu, PROMPTS, NEW (tokens per regenerated
 # prompt), BATCH (sequences per update), STEPS (updates per run instead of minutes), LIMIT (HumanEval
 # prompts, default all 164), DIAG (prompts for the diagnostics, 40) and EVAL_NEW (tokens per evaluated
 # prompt, 128) shrink it to a dry run.
