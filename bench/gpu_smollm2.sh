@@ -14,10 +14,10 @@
 # table on HumanEval prompts, greedy and T=1, saved after every row) and $OUT/smollm2.log. Design as in the
 # CPU table (docs/RESULTS.md): one shared DFlash drafter trained BASE_MIN minutes (default 2); DFlow then
 # trains its relay alone on it for DFLOW_MIN minutes (default 1), and DFlash continues the shared drafter
-# for the same number of updates: equal updates and data, DFlow's costing more wall clock. DEVICE=cpu, PROMPTS, NEW (tokens per regenerated
-# prompt), BATCH (sequences per update), STEPS (updates per run instead of minutes), LIMIT (HumanEval
-# prompts, default all 164), DIAG (prompts for the diagnostics, 40) and EVAL_NEW (tokens per evaluated
-# prompt, 128) shrink it to a dry run.
+# for the same number of updates: equal updates and data, DFlow's costing more wall clock. DEVICE=cpu,
+# PROMPTS, NEW (tokens per regenerated prompt), BATCH (sequences per update), STEPS (updates per run
+# instead of minutes), LIMIT (HumanEval prompts, default all 164), DIAG (prompts for the diagnostics, 40)
+# and EVAL_NEW (tokens per evaluated prompt, 128) shrink it to a dry run.
 #
 # Measured on an H200 (2026-11-30, docs/RESULTS.md): machine start ~35 s, each receive ~5 s; in `run`,
 # GGUF conversion ~30 s, regen of 640 prompts 60 s, then the budgets above plus ~15 s per process. The
