@@ -6,6 +6,9 @@ mean +- standard error. Also the relay diagnostics of dflow_rt/eval/diagnose.py 
 
     python bench/drafter_table.py --dflash dflow_rt/assets/dflash --dflow dflow_rt/assets/dflow \
         --limit 60 --threads 1 --json docs/drafter_table.json
+
+With `--training-prompts-from 6000` the same table on prompts of the drafters' training generators that
+no regen run used (suites train-code, train-math, train-chat): does a gain carry over to held-out suites?
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from dflow_rt.eval.tau import mean, measure_tau, sem
 from dflow_rt.models.bundled import drafter_dir, target_dir
 from dflow_rt.models.checkpoint import load_drafter, load_target
 from dflow_rt.tokenizer import load_tokenizer, stop_token_ids
+from dflow_rt.train.regen import KINDS, training_prompt
 
 ROWS = (("DFlash", "dflash", True), ("DFlow", "dflow", True), ("DFlow, relay off", "dflow", False))
 PAIRS = (("DFlow - DFlash", "DFlow", "DFlash"), ("relay on - off", "DFlow", "DFlow, relay off"))
@@ -30,6 +34,18 @@ PAIRS = (("DFlow - DFlash", "DFlow", "DFlash"), ("relay on - off", "DFlow", "DFl
 def paired(a: list[float], b: list[float]) -> tuple[float, float]:
     diff = [x - y for x, y in zip(a, b, strict=True)]
     return mean(diff), sem(diff)
+
+
+def training_kind_prompts(tokenizer, kind: str, first: int, limit: int) -> list[list[int]]:
+    """`limit` prompts of one kind from the drafters' training generator (`train regen`, seed 0), from prompt
+    index `first` on: unseen by training when `first` is past every regen run's last index. The chat and
+    math generators draw from finite pools, so a prompt's text may still repeat a trained one."""
+    out, index = [], first
+    while len(out) < limit:
+        k, ids = training_prompt(tokenizer, 0, index, 128)
+        out += [ids] if KINDS[k] == kind else []
+        index += 1
+    return out
 
 
 def main() -> None:
@@ -46,6 +62,9 @@ def main() -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda [cpu]")
     p.add_argument("--batch", type=int, default=8, help="prompts decoded together [8]")
     p.add_argument("--json", default=None)
+    p.add_argument("--training-prompts-from", type=int, default=None, metavar="INDEX",
+                   help="measure on the training generator's prompts from INDEX on (suites train-code, ...), "
+                        "not on the held-out suites: does a gain carry over from the training distribution?")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -64,7 +83,11 @@ def main() -> None:
                 json.dump(report, f, indent=1)
 
     for suite in args.suites:
-        prompts = suite_prompts(tokenizer, suite, args.limit)
+        if args.training_prompts_from is None:
+            prompts = suite_prompts(tokenizer, suite, args.limit)
+        else:
+            prompts = training_kind_prompts(tokenizer, suite, args.training_prompts_from, args.limit)
+            suite = f"train-{suite}"
         for T in args.temperatures:
             key = f"{suite} T={T:g}"
             per = {}
