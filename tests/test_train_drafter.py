@@ -25,7 +25,7 @@ from dflow_rt.models.target import Target, TargetConfig
 from dflow_rt.tokenizer import load_tokenizer, train_tokenizer
 from dflow_rt.train import data, regen
 from dflow_rt.train.cli import main
-from dflow_rt.train.drafter import make_optimizer
+from dflow_rt.train.drafter import freeze_shared_weights, make_optimizer
 from dflow_rt.train.loop import clip_gradients
 from dflow_rt.train.objective import (
     DraftObjective,
@@ -210,6 +210,25 @@ def test_base_first_round_routes_later_rounds_to_the_relay_alone(reference_pair,
     assert not torch.allclose(joint["fc.weight"], dflash["fc.weight"])  # the default routes later rounds to all
 
 
+def test_frozen_shared_weights_leave_the_relay_gradient_unchanged(reference_pair):
+    """--freeze-base: the shared weights get no gradient at all, the relay exactly the one it gets when every
+    weight trains (the speed-up drops only gradients that --base-lr-scale 0 discards)."""
+    target, drafter = reference_pair[0], random_relay(reference_pair[1])
+    ids = sequence(CASES[0], target, drafter)
+    batch = (ids, torch.tensor([ids.shape[1]]), torch.tensor([[2, 9, 20]]), torch.ones(1, 3, dtype=torch.bool))
+    DraftObjective(drafter, target, 7.0, rounds=3)(*batch)[0].backward()
+    joint = {n: p.grad.clone() for n, p in drafter.named_parameters()}
+    drafter.zero_grad(set_to_none=True)
+    freeze_shared_weights(drafter)
+    DraftObjective(drafter, target, 7.0, rounds=3)(*batch)[0].backward()
+    relay = [n for n in joint if n.startswith("relay.")]
+    assert relay and all(joint[n].abs().sum() > 0 for n in joint)
+    for n, p in drafter.named_parameters():
+        assert (p.grad is None) == (n not in relay), n
+        if n in relay:
+            torch.testing.assert_close(p.grad, joint[n], atol=1e-6, rtol=1e-5)
+
+
 # ---------------------------------------------------------------------------------------- data
 
 def test_regen_writes_target_greedy_continuations_of_training_prompts(tiny_dir, data_file, tmp_path):
@@ -288,9 +307,9 @@ def test_dflash_training_lowers_loss_and_exports_a_lossless_drafter(dflash_run, 
         assert spec.token_ids == dflow_rt.generate(target, None, prompt, max_new_tokens=40).token_ids
 
 
-@pytest.mark.parametrize("kind", ["dflash", "dflow"])
-def test_resume_gives_the_same_weights_as_an_uninterrupted_run(kind, tiny_dir, data_file, dflash_run, tmp_path):
-    extra = ["--init", str(dflash_run)] if kind == "dflow" else []
+@pytest.mark.parametrize("kind, flags", [("dflash", []), ("dflow", []), ("dflow", ["--freeze-base"])])
+def test_resume_gives_the_same_weights_as_an_uninterrupted_run(kind, flags, tiny_dir, data_file, dflash_run, tmp_path):
+    extra = (["--init", str(dflash_run)] if kind == "dflow" else []) + flags
     runs = {}
     for name, budgets in (("straight", [[]]), ("resumed", [["--run-steps", "2"], ["--resume"]])):
         out = tmp_path / name
@@ -341,6 +360,14 @@ def test_dflow_training_writes_a_loadable_dflow_drafter(tiny_dir, data_file, dfl
     assert capsys.readouterr().err.count("fixes the drafter's shape; conflicting: --") == 3
     assert run_cli(["dflow", *common, str(out), "--out", str(tmp_path / "c4"), "--relay-hidden", "24",
                     "--block-size", "8", "--lr", "1e-12"]) == 0  # repeating the parent's own shape is fine
+    # --freeze-base: the relay alone trains; the shared weights stay bit for bit the parent's.
+    assert run_cli(["dflow", *common, str(out), "--out", str(tmp_path / "f"), "--freeze-base"]) == 0
+    frozen = load_file(tmp_path / "f" / "model.safetensors")
+    assert all(torch.equal(frozen[k], weights[k]) != k.startswith("relay.") for k in weights)
+    assert log(tmp_path / "f")[0]["settings"]["base_lr_scale"] == 0.0
+    for bad in (["--base-first-round"], ["--base-lr-scale", "0.5"]):
+        assert run_cli(["dflow", *common, str(out), "--out", str(tmp_path / "f2"), "--freeze-base", *bad]) == 2
+    assert capsys.readouterr().err.count("--freeze-base trains the relay alone") == 2
 
 
 def test_training_runs_in_float32_where_targets_load_in_bf16(tiny_dir, data_file, dflash_run, tmp_path, monkeypatch):

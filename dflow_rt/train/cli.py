@@ -149,6 +149,9 @@ def _drafter_parser(p: argparse.ArgumentParser, dflow: bool) -> None:
         m.add_argument("--base-first-round", action="store_const", const=True,
                        help="the DFlash weights learn from round 1 (the DFlash loss) alone, the relay from the "
                        "later rounds, each clipped apart: the relay-off drafter gets DFlash updates")
+        m.add_argument("--freeze-base", action="store_const", const=True,
+                       help="the relay alone, as --base-lr-scale 0 but ~1.2x faster: the DFlash weights get no "
+                       "gradient, so the gradient clip's norm is the relay's alone")
     m.add_argument("--block-size", type=int, help="B [16]")
     m.add_argument("--layers", type=int, help="drafter decoder layers [2]")
     m.add_argument("--target-layers", help="comma-separated conditioning layers [build_target_layer_ids]")
