@@ -57,7 +57,8 @@ def main() -> None:
     p.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 1.0])
     p.add_argument("--limit", type=int, default=60)
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--diagnostic-prompts", type=int, default=20, help="per suite, greedy batch-1 rounds")
+    p.add_argument("--diagnostic-prompts", type=int, default=20,
+                   help="per suite, greedy batch-1 rounds; 0 skips the diagnostics [20]")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--device", default="cpu", help="cpu or cuda [cpu]")
     p.add_argument("--batch", type=int, default=8, help="prompts decoded together [8]")
@@ -102,12 +103,12 @@ def main() -> None:
                 report["paired"][key] = {label: paired(per[a], per[b]) for label, a, b in PAIRS
                                          if a in per and b in per}
                 save()
-        for name in ("dflash", "dflow"):
+        for name in ("dflash", "dflow") if args.diagnostic_prompts > 0 else ():
             drafters[name].use_relay = drafters[name].relay is not None
             report["diagnostics"].setdefault(suite, {})[name] = relay_diagnostics(
                 target, drafters[name], prompts[:args.diagnostic_prompts], args.max_new_tokens, stops)
             save()
-        print(suite, json.dumps(report["diagnostics"][suite]), flush=True)
+            print(suite, name, json.dumps(report["diagnostics"][suite][name]), flush=True)
     print(markdown(report))
 
 
@@ -119,6 +120,8 @@ def markdown(report: dict) -> str:
         cells = [f"{rows[r]['tau']:.3f} +- {rows[r]['tau_se']:.3f}" for r, _, _ in ROWS]
         diffs = [f"{m:+.3f} +- {s:.3f}" for m, s in report["paired"][key].values()]
         lines.append(f"| {suite} | {T} | {rows['DFlash']['prompts']} | " + " | ".join(cells + diffs) + " |")
+    if not report["diagnostics"]:
+        return "\n".join(lines)
     lines += ["", "| suite | drafter | rounds after a rejection | target right at rejected position | "
               "drafter slot 1 right | relay changes a round | relay changes a relayed slot |",
               "|---|---|---|---|---|---|---|"]
