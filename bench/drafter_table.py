@@ -5,7 +5,10 @@ at T = 1, the same per-prompt seeds, hence the same text; see dflow_rt/eval/tau.
 mean +- standard error. Also the relay diagnostics of dflow_rt/eval/diagnose.py (greedy).
 
     python bench/drafter_table.py --dflash dflow_rt/assets/dflash --dflow dflow_rt/assets/dflow \
-        --limit 60 --threads 1 --json docs/drafter_table.json
+        --limit 60 --threads 1 --json table.json
+
+(docs/data/drafter_table_bundled_60_prompts.json is this command's output for the bundled pair, run as
+two processes and merged; docs/data/README.md lists every table and its command.)
 
 With `--training-prompts-from 6000` the same table on prompts of the drafters' training generators that
 no regen run used (suites train-code, train-math, train-chat): does a gain carry over to held-out suites?
@@ -19,13 +22,13 @@ import time
 
 import torch
 
+from dflow_rt.data.prompts import KINDS, SUITES, suite_prompts, training_prompt
 from dflow_rt.eval.diagnose import relay_diagnostics
-from dflow_rt.eval.suites import SUITES, suite_prompts
 from dflow_rt.eval.tau import mean, measure_tau, sem
 from dflow_rt.models.bundled import drafter_dir, target_dir
 from dflow_rt.models.checkpoint import load_drafter, load_target
+from dflow_rt.models.drafter import relay_off
 from dflow_rt.tokenizer import load_tokenizer, stop_token_ids
-from dflow_rt.train.regen import KINDS, training_prompt
 
 ROWS = (("DFlash", "dflash", True), ("DFlow", "dflow", True), ("DFlow, relay off", "dflow", False))
 PAIRS = (("DFlow - DFlash", "DFlow", "DFlash"), ("relay on - off", "DFlow", "DFlow, relay off"))
@@ -94,8 +97,9 @@ def main() -> None:
             per = {}
             for row, name, relay in ROWS:
                 d = drafters[name]
-                d.use_relay = relay and d.relay is not None
-                r = measure_tau(target, d, prompts, suite, T, args.max_new_tokens, stops, args.batch, progress=True)
+                with relay_off(d, not relay):
+                    r = measure_tau(target, d, prompts, suite, T, args.max_new_tokens, stops, args.batch,
+                                    progress=True)
                 per[row] = r.per_prompt
                 report["tau"].setdefault(key, {})[row] = r.summary()
                 print(f"{key:12s} {row:18s} tau {r.tau:.3f} +- {sem(r.per_prompt):.3f}  "
@@ -104,7 +108,6 @@ def main() -> None:
                                          if a in per and b in per}
                 save()
         for name in ("dflash", "dflow") if args.diagnostic_prompts > 0 else ():
-            drafters[name].use_relay = drafters[name].relay is not None
             report["diagnostics"].setdefault(suite, {})[name] = relay_diagnostics(
                 target, drafters[name], prompts[:args.diagnostic_prompts], args.max_new_tokens, stops)
             save()

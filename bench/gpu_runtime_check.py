@@ -1,4 +1,4 @@
-"""GPU check for the static runtime (run on a lent CUDA machine; writes JSON to $OUT or argv[1]).
+"""GPU check for the static runtime (run on a CUDA machine; writes JSON to $OUT or argv[1]).
 
 1. compile and cudagraph backends emit exactly the eager round's tokens (greedy), on the
    reference fixture pair (which also matches the reference implementation's tokens) and on the
@@ -9,8 +9,8 @@
 3. `dflow-rt bench --suite runtime` figures for eager / compile / cudagraph, batch 1 and 4, on
    the bundled target and DFlash drafter in bf16.
 
-Each part records its error instead of stopping the others (device time is scarce), and the
-JSON is rewritten after each part.
+Each part records its error instead of stopping the others, so one run reports every part, and the
+JSON is rewritten after each part (docs/data/gpu_runtime_check_h200.json is one run's output).
 
 Usage: PYTHONPATH=. python bench/gpu_runtime_check.py OUT_DIR
 """
@@ -29,7 +29,7 @@ import torch
 import dflow_rt
 from dflow_rt.bench.runtime import bench_runtime, format_table
 from dflow_rt.config import RuntimeConfig
-from dflow_rt.eval.suites import suite_prompts
+from dflow_rt.data.prompts import suite_prompts
 from dflow_rt.models.bundled import drafter_dir, target_dir
 from dflow_rt.runtime import Runtime
 from dflow_rt.tokenizer import load_tokenizer

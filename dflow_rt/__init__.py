@@ -5,7 +5,7 @@ from dflow_rt.errors import CheckpointError, DflowError, InputError
 from dflow_rt.models.checkpoint import load_drafter, load_target, save_model
 from dflow_rt.models.drafter import Drafter, DrafterConfig
 from dflow_rt.models.target import Target, TargetConfig
-from dflow_rt.round import GenerateOutput, generate
+from dflow_rt.reference import GenerateOutput, generate
 from dflow_rt.runtime import Runtime
 
 __all__ = [

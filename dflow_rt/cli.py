@@ -6,16 +6,20 @@ import argparse
 import json
 import sys
 
+from dflow_rt.config import BACKENDS
 from dflow_rt.errors import DflowError
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
+    import time
 
-    from dflow_rt.round import generate
+    from dflow_rt.config import RuntimeConfig
+    from dflow_rt.requests import check_fits
+    from dflow_rt.runtime import Runtime
     from dflow_rt.tokenizer import stop_token_ids
 
     if args.drafter is None and args.target is None:
-        args.drafter = "dflash"  # the bundled pair (DFlash measured the better drafter: docs/RESULTS.md)
+        args.drafter = "dflash"  # the bundled pair's default drafter (docs/RESULTS.md)
     target, drafter, tokenizer = _load_models(args)
     if args.chat:
         ids = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}],
@@ -23,15 +27,30 @@ def cmd_generate(args: argparse.Namespace) -> None:
         ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
     else:
         ids = tokenizer.encode(args.prompt, add_special_tokens=False)
-    out = generate(target, drafter, ids, max_new_tokens=args.max_new_tokens, block_size=args.block_size,
-                   stop_token_ids=stop_token_ids(tokenizer))
-    text = tokenizer.decode(out.token_ids, skip_special_tokens=True)
-    stats = {"tau": round(out.tau, 4), "tokens_per_s": round(out.decode_tokens_per_s, 2),
-             "rounds": len(out.acceptance_lengths)}
+    block = 1 if drafter is None else (args.block_size or drafter.block_size)
+    check_fits(len(ids), args.max_new_tokens, block, target.config.max_position_embeddings)  # before allocating
+    config = RuntimeConfig(max_batch=1, max_len=len(ids) + args.max_new_tokens + block, backend=args.backend,
+                           block_size=args.block_size)
+    t0 = time.perf_counter()
+    rt = Runtime(target, drafter, config)
+    rid = rt.add_request(ids, max_new_tokens=args.max_new_tokens, stop_token_ids=stop_token_ids(tokenizer))
+    t1 = time.perf_counter()
+    first = len(rt.step()[rid])  # prefill, then the first round
+    t2 = time.perf_counter()
+    while not rt.is_finished(rid):
+        rt.step()
+    t3 = time.perf_counter()
+    req = rt.pop(rid)
+    text = tokenizer.decode(req.emitted, skip_special_tokens=True)
+    decode_s = t3 - t2
+    stats = {"tau": round(sum(req.acceptance) / max(len(req.acceptance), 1), 4),
+             "tokens_per_s": round((len(req.emitted) - first) / decode_s, 2) if decode_s > 0 else 0.0,
+             "rounds": len(req.acceptance)}
     if args.json:
-        print(json.dumps({"text": text, "token_ids": out.token_ids, "prompt_ids": list(ids),
-                          "acceptance_lengths": out.acceptance_lengths, **stats,
-                          "prefill_s": round(out.prefill_seconds, 4), "decode_s": round(out.decode_seconds, 4)}))
+        print(json.dumps({"text": text, "token_ids": req.emitted, "prompt_ids": list(ids),
+                          "acceptance_lengths": req.acceptance, **stats, "backend": args.backend,
+                          "setup_s": round(t1 - t0, 4), "first_step_s": round(t2 - t1, 4),
+                          "decode_s": round(decode_s, 4)}))
     else:
         print(text)
         print(f"\ntau {stats['tau']:.2f} | decode {stats['tokens_per_s']:.1f} tokens/s | {stats['rounds']} rounds",
@@ -47,14 +66,18 @@ def set_threads(threads: int | None, target) -> None:
     bundled model drops from ~60 to ~2 tokens/s when another job holds one of two cores)."""
     import torch
 
+    if threads is not None and threads < 1:
+        raise DflowError(f"--threads must be at least 1, got {threads}")
     if threads:
         torch.set_num_threads(threads)
     elif target.lm_head.weight.device.type == "cpu" and sum(p.numel() for p in target.parameters()) < SMALL_TARGET:
         torch.set_num_threads(1)
 
 
-def _load_models(args: argparse.Namespace):
-    """(target, drafter or None, tokenizer) from --target/--drafter/--device/--threads; bundled by default."""
+def _load_models(args: argparse.Namespace, need_tokenizer: bool = True):
+    """(target, drafter or None, tokenizer) from --target/--drafter/--device/--threads: the one place
+    every command loads models. No --target means the bundled target. Without `need_tokenizer`, a
+    directory with no tokenizer (random benchmark models) gives None for the tokenizer."""
     import torch
 
     from dflow_rt.models.bundled import drafter_dir, target_dir
@@ -62,37 +85,42 @@ def _load_models(args: argparse.Namespace):
     from dflow_rt.tokenizer import load_tokenizer
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise DflowError(f"--device {device}: CUDA is not available on this machine")
     path = target_dir(args.target)
     target = load_target(path, device=device)
     set_threads(args.threads, target)
-    spec = None if args.drafter == "none" else drafter_dir(args.drafter)
-    return target, load_drafter(spec, target) if spec else None, load_tokenizer(path)
+    spec = None if args.drafter in (None, "none") else drafter_dir(args.drafter)
+    drafter = load_drafter(spec, target) if spec else None
+    has_tokenizer = need_tokenizer or (path / "tokenizer.json").exists()
+    return target, drafter, load_tokenizer(path) if has_tokenizer else None
 
 
 def cmd_eval_tau(args: argparse.Namespace) -> None:
-    from dflow_rt.eval.suites import SUITES, suite_prompts
+    from dflow_rt.data.prompts import SUITES, suite_prompts
+    from dflow_rt.eval.diagnose import relay_diagnostics
     from dflow_rt.eval.tau import measure_tau
+    from dflow_rt.models.drafter import relay_off
     from dflow_rt.tokenizer import stop_token_ids
 
     args.drafter = args.drafter or "dflash"
     target, drafter, tokenizer = _load_models(args)
     if drafter is None:
         raise DflowError("eval-tau needs a drafter")
-    drafter.use_relay = drafter.relay is not None and not args.no_relay
     stops = tuple(stop_token_ids(tokenizer))
-    report = {"target": args.target or "bundled", "drafter": args.drafter, "relay": drafter.use_relay,
-              "temperature": args.temperature, "max_new_tokens": args.max_new_tokens, "suites": {}}
-    for suite in SUITES if args.suite == "all" else (args.suite,):
-        prompts = suite_prompts(tokenizer, suite, args.limit)
-        result = measure_tau(target, drafter, prompts, suite, args.temperature, args.max_new_tokens, stops,
-                             args.batch, progress=True)
-        report["suites"][suite] = entry = result.summary()
-        if args.diagnostics:
-            from dflow_rt.eval.diagnose import relay_diagnostics
-
-            entry["diagnostics"] = relay_diagnostics(target, drafter, prompts, args.max_new_tokens, stops)
-        if not args.json:
-            _print_tau(suite, entry)
+    report = {"target": args.target or "bundled", "drafter": args.drafter, "relay": drafter.relay is not None
+              and not args.no_relay, "temperature": args.temperature, "max_new_tokens": args.max_new_tokens,
+              "suites": {}}
+    with relay_off(drafter, args.no_relay):
+        for suite in SUITES if args.suite == "all" else (args.suite,):
+            prompts = suite_prompts(tokenizer, suite, args.limit)
+            result = measure_tau(target, drafter, prompts, suite, args.temperature, args.max_new_tokens, stops,
+                                 args.batch, progress=True)
+            report["suites"][suite] = entry = result.summary()
+            if args.diagnostics:
+                entry["diagnostics"] = relay_diagnostics(target, drafter, prompts, args.max_new_tokens, stops)
+            if not args.json:
+                _print_tau(suite, entry)
     if args.json:
         print(json.dumps(report))
 
@@ -135,35 +163,27 @@ def cmd_convert(args: argparse.Namespace) -> None:
 def cmd_bench(args: argparse.Namespace) -> None:
     import random
     import tempfile
-    from pathlib import Path
-
-    import torch
 
     from dflow_rt.bench.runtime import bench_runtime, format_table
-    from dflow_rt.eval.suites import suite_prompts
-    from dflow_rt.models.bundled import drafter_dir, target_dir
-    from dflow_rt.models.checkpoint import load_drafter, load_target
+    from dflow_rt.data.prompts import suite_prompts
     from dflow_rt.models.init_random import init_random
-    from dflow_rt.tokenizer import load_tokenizer
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     n = max(args.batches)
     if args.random_models:
         args.target, args.drafter = init_random(tempfile.mkdtemp(prefix="dflow-bench-"), hidden=256)
         print(f"benchmarking random models written to {args.target.parent}")
     elif args.target is None:  # the bundled pair, on held-out HumanEval prompts
-        args.target, args.drafter = target_dir(None), drafter_dir(args.drafter or "dflash")
-    target = load_target(args.target, device=device)
-    set_threads(args.threads, target)
-    drafter = load_drafter(drafter_dir(args.drafter), target) if args.drafter else None
-    if (Path(args.target) / "tokenizer.json").exists():
-        prompt = suite_prompts(load_tokenizer(args.target), "code", 1, max_prompt_tokens=64)[0]
+        args.drafter = args.drafter or "dflash"
+    target, drafter, tokenizer = _load_models(args, need_tokenizer=False)
+    device = target.lm_head.weight.device.type
+    if tokenizer is not None:
+        prompt = suite_prompts(tokenizer, "code", 1, max_prompt_tokens=64)[0]
     else:
         prompt = [random.Random(0).randrange(target.config.vocab_size) for _ in range(32)]
     prompts = [prompt] * n  # one request in every row: every batch size decodes the same tokens per round
     backends = args.backends or (["eager", "compile"] + (["cudagraph"] if device == "cuda" else []))
     result = bench_runtime(target, drafter, prompts, backends, args.batches, args.rounds)
-    result |= {"target": str(args.target), "drafter": str(args.drafter), "device": device}
+    result |= {"target": str(args.target or "bundled"), "drafter": str(args.drafter), "device": device}
     print(format_table(result))
     if args.json:
         with open(args.json, "w") as f:
@@ -179,6 +199,9 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt", required=True)
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--block-size", type=int, default=None, help="default: the drafter's block size")
+    g.add_argument("--backend", choices=BACKENDS, default="eager",
+                   help="eager starts at once; compile (torch.compile, 10-60 s to build) pays for long outputs; "
+                        "cudagraph needs CUDA [eager]")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     g.add_argument("--quiet-stats", action="store_true", help="print the statistics line to stderr")

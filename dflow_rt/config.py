@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dflow_rt.errors import InputError
+from dflow_rt.requests import check_int
+
 BACKENDS = ("eager", "compile", "cudagraph")
 
 
@@ -15,6 +18,9 @@ class RuntimeConfig:
     shapes), or `cudagraph` (compiled and captured as CUDA graphs; CUDA only).
     batch_buckets: batch sizes the round is built for (default: powers of two up to
     max_batch); a step runs the smallest bucket that covers the live rows.
+    verify_width: how many of the B drafted positions the target verifies, per batch bucket
+    (see `widths`); any width is lossless, and fewer positions make verify cheaper where its
+    cost grows with the width (CPU), at the price of shorter acceptances.
     length_buckets: cache lengths the round is built for; a step attends over the smallest
     one that covers every live request's next block, so attention costs what the live
     requests need, not max_len. Default: every multiple of 64 from 128 up to max_len, or
@@ -29,6 +35,19 @@ class RuntimeConfig:
     batch_buckets: tuple[int, ...] | None = None
     length_buckets: tuple[int, ...] | None = None
     compile_backend: str = "inductor"  # torch.compile backend; tests use "aot_eager" to check tracing fast
+    verify_width: int | dict[int, int] | None = None
+
+    def widths(self, block_size: int) -> dict[int, int]:
+        """Verify width k per batch bucket: the drafter drafts all B slots, the target checks the first
+        k. None = B everywhere; an int = that k everywhere; a dict = k per bucket (others B)."""
+        given = self.verify_width
+        per = given if isinstance(given, dict) else {n: given for n in self.buckets()} if given is not None else {}
+        unknown = set(per) - set(self.buckets())
+        if unknown:
+            raise InputError(f"verify_width names batch buckets {sorted(unknown)} not in {self.buckets()}")
+        for n, k in per.items():
+            check_int(f"verify_width[{n}]", k, 1, block_size)
+        return {n: per.get(n, block_size) for n in self.buckets()}
 
     def buckets(self) -> tuple[int, ...]:
         return _sizes(self.batch_buckets, 1, self.max_batch)

@@ -21,7 +21,7 @@ from dflow_rt.errors import InputError
 from dflow_rt.graphs.runner import build_rounds
 from dflow_rt.graphs.state import DecodeState
 from dflow_rt.models.layers import reserve_positions
-from dflow_rt.round import prompt_tensor
+from dflow_rt.requests import check_fits, check_int, check_sampling, cut_at_stop, prompt_tensor, stop_set
 from dflow_rt.sampling import sample
 
 
@@ -53,6 +53,7 @@ class Runtime:
         self.block_size = 1 if drafter is None else (c.block_size or drafter.block_size)
         self.layer_ids = drafter.target_layer_ids if drafter is not None else ()
         self.buckets, self.lengths = c.buckets(), c.lengths()
+        self.widths = c.widths(self.block_size)
         if min(self.buckets) < 1 or max(self.buckets) > c.max_batch:
             raise InputError(f"batch_buckets must lie in 1..max_batch ({c.max_batch}), got {self.buckets}")
         if min(self.lengths) <= self.block_size or max(self.lengths) > c.max_len:
@@ -63,7 +64,7 @@ class Runtime:
         mask_id = drafter.config.mask_token_id if drafter is not None else 0
         with torch.inference_mode():
             self.rounds = build_rounds(target, drafter, self.state, self.buckets, self.lengths, c.backend, mask_id,
-                                       self.layer_ids, c.compile_backend)
+                                       self.layer_ids, c.compile_backend, self.widths)
         self.waiting: deque[Request] = deque()
         self.rows: list[Request | None] = [None] * c.max_batch
         self.free_rows = list(range(c.max_batch))  # a heap: lowest rows first keeps buckets small
@@ -73,20 +74,20 @@ class Runtime:
     def add_request(self, prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int = 256,
                     temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                     stop_token_ids: Sequence[int] = (), seed: int | None = None) -> int:
-        """Queue a request; it joins the batch at the next `step()` with a free row."""
-        prompt = prompt_tensor(prompt_ids, self.target.config.vocab_size, self.state.tokens.device)[0]
-        need = prompt.numel() + max_new_tokens + self.block_size
-        if max_new_tokens < 1 or need > self.config.max_len:
-            raise InputError(f"prompt of {prompt.numel()} tokens + max_new_tokens {max_new_tokens} + block "
-                             f"{self.block_size} does not fit max_len {self.config.max_len}")
-        if temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
-            raise InputError(f"need temperature >= 0, top_k >= 0, 0 < top_p <= 1; got {temperature}, {top_k}, {top_p}")
-        if seed is not None and not 0 <= seed < 2**63:
-            raise InputError(f"seed must be in 0..2**63-1, got {seed}")
+        """Queue a request; it joins the batch at the next `step()` with a free row.
+
+        Every field is checked here (`dflow_rt.requests`): a bad one raises `InputError` now, and
+        nothing a queued request carries can make a later `step()` fail."""
+        vocab = self.target.config.vocab_size
+        prompt = prompt_tensor(prompt_ids, vocab, self.state.tokens.device)[0]
+        max_new_tokens = check_int("max_new_tokens", max_new_tokens, 1)
+        check_fits(prompt.numel(), max_new_tokens, self.block_size, self.config.max_len)
+        sampling = check_sampling(temperature, top_k, top_p, seed, vocab)
+        stops = stop_set(stop_token_ids, vocab)
         rid, self._next_rid = self._next_rid, self._next_rid + 1
-        seed = random.getrandbits(62) if seed is None else seed
-        self.requests[rid] = req = Request(rid, prompt, max_new_tokens, frozenset(stop_token_ids), temperature,
-                                           top_k, top_p, seed)
+        seed = random.getrandbits(62) if sampling.seed is None else sampling.seed
+        self.requests[rid] = req = Request(rid, prompt, max_new_tokens, stops, sampling.temperature, sampling.top_k,
+                                           sampling.top_p, seed)
         self.waiting.append(req)
         return rid
 
@@ -128,12 +129,8 @@ class Runtime:
             count = out[req.row][0]
             req.acceptance.append(count - (0 if req.emitted else 1))  # the first round also reports prefill's token
             req.position += req.acceptance[-1]
-            tokens = out[req.row][1:1 + count][: req.max_new_tokens - len(req.emitted)]
-            for i, tok in enumerate(tokens):
-                if tok in req.stop:
-                    tokens = tokens[:i + 1]
-                    req.finished = True
-                    break
+            tokens, stopped = cut_at_stop(out[req.row][1:1 + count][: req.max_new_tokens - len(req.emitted)], req.stop)
+            req.finished |= stopped
             req.emitted += tokens
             result[req.rid] = tokens
             if req.finished or len(req.emitted) >= req.max_new_tokens:
@@ -200,7 +197,8 @@ class Runtime:
                                                   dtype=getattr(s, name).dtype)
         pos = torch.arange(P, device=dev).expand(len(group), P)
         ids = torch.stack([r.prompt for r in group])
-        logits, features = self.target(ids, pos, s.target_cache, rows, self.layer_ids, logits_from=P - 1)
+        logits, features = self.target(ids, pos, s.target_cache, rows, layer_ids=self.layer_ids,
+                                       logits_from=P - 1)
         if self.drafter is not None:
             self.drafter.write_context(features, pos, s.draft_cache, rows)
             s.relay.clear(rows)

@@ -41,6 +41,13 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     rest; top_k = 0 and top_p = 1 disable them. All shapes are static: rows are filtered
     with masks, not by slicing, so the same code runs inside a captured graph.
     """
+    return sample_from_uniform(logits, temperature, top_k, top_p, uniform(seed, positions))
+
+
+def sample_from_uniform(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                        u: torch.Tensor) -> torch.Tensor:
+    """`sample` given its uniforms u [batch, n] (float64): the inverse CDF at u of the sorted,
+    filtered, renormalised distribution (the rule the sampling kernels reproduce)."""
     greedy = logits.argmax(-1)
     t = temperature.clamp(min=1e-6)[:, None, None]
     probs, order = torch.sort(torch.softmax(logits.float() / t, dim=-1), dim=-1, descending=True)
@@ -49,7 +56,7 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     probs = probs / probs.sum(-1, keepdim=True)  # top-p applies to what top-k left, renormalised
     before = probs.cumsum(-1) - probs  # mass ranked strictly above each token
     cdf = (probs * ((before < top_p[:, None, None]) | (rank == 0))).cumsum(-1)
-    u = uniform(seed, positions)[..., None] * cdf[..., -1:].double()
+    u = u[..., None] * cdf[..., -1:].double()
     picked = (cdf.double() < u).sum(-1, keepdim=True).clamp(max=logits.shape[-1] - 1)
     sampled = order.gather(-1, picked)[..., 0]
     return torch.where(temperature[:, None] > 0, sampled, greedy)

@@ -13,12 +13,19 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 torch.set_num_threads(1)
 
 FIXTURES = Path(__file__).parent / "fixtures" / "dflash_reference"
+# The same reference outputs for a drafter conditioned on the target's LAST layer (post-norm feature).
+FIXTURES_LAST_LAYER = Path(__file__).parent / "fixtures" / "dflash_reference_last_layer"
+REFERENCE_FIXTURES = (FIXTURES, FIXTURES_LAST_LAYER)
+
+
+def load_pair(directory: Path):
+    import dflow_rt
+
+    target = dflow_rt.load_target(directory / "target")
+    return target, dflow_rt.load_drafter(directory / "drafter", target)
 
 
 @pytest.fixture(scope="session")
 def reference_pair():
     """The target and drafter the public DFlash implementation produced the fixtures with."""
-    import dflow_rt
-
-    target = dflow_rt.load_target(FIXTURES / "target")
-    return target, dflow_rt.load_drafter(FIXTURES / "drafter", target)
+    return load_pair(FIXTURES)

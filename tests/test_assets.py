@@ -35,7 +35,7 @@ def test_bundled_drafters_are_lossless_and_accept_drafts(capsys):
     assert main(["generate", "--prompt", "def fibonacci(n):", "--max-new-tokens", "48", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["token_ids"] == dflow_rt.generate(target, None, out["prompt_ids"], max_new_tokens=48).token_ids
-    from dflow_rt.eval.suites import suite_prompts
+    from dflow_rt.data.prompts import suite_prompts
     from dflow_rt.tokenizer import load_tokenizer
 
     maths = suite_prompts(load_tokenizer(ASSETS / "target"), "math", 3)

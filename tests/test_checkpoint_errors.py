@@ -374,7 +374,7 @@ def test_prompt_longer_than_the_cache(target, drafter, use_drafter):
     with pytest.raises(InputError) as info:
         dflow_rt.generate(target, drafter if use_drafter else None, list(range(20)) * 2, max_new_tokens=4,
                           max_len=32)
-    assert "prompt of 40 tokens" in str(info.value) and "cache of 32 positions" in str(info.value)
+    assert "prompt of 40 tokens" in str(info.value) and "does not fit max_len 32" in str(info.value)
     assert isinstance(info.value, ValueError)
 
 
@@ -382,7 +382,7 @@ def test_prompt_that_just_fits_the_cache(target, drafter):
     """The bound is exact: prompt + max_new_tokens + one block fills the cache without error."""
     fit = 3 + 4 + drafter.block_size
     assert len(dflow_rt.generate(target, drafter, [1, 2, 3], max_new_tokens=4, max_len=fit).token_ids) == 4
-    with pytest.raises(InputError, match=f"exceeds the cache of {fit - 1} positions"):
+    with pytest.raises(InputError, match=f"does not fit max_len {fit - 1}"):
         dflow_rt.generate(target, drafter, [1, 2, 3], max_new_tokens=4, max_len=fit - 1)
 
 

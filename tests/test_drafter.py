@@ -2,7 +2,7 @@
 
 (a) `tests/fixtures/dflash_reference` was produced by the public z-lab implementation: our
     target's features and our drafter's forward must reproduce it.
-(b) A plain-torch transcription of one draft block, written here from DESIGN.md §1 without
+(b) A plain-torch transcription of one draft block, written from the DFlash paper's definition without
     any `dflow_rt.models.layers` helper, against `Drafter.forward` on random tiny models,
     including committed context accumulating in the drafter's cache over two calls.
 (c) Checkpoints: the z-lab layout on disk, the nested config schema, and targets we write
@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 
 import dflow_rt
 from dflow_rt import Drafter, DrafterConfig, Target, TargetConfig
-from tests.conftest import FIXTURES
+from tests.conftest import FIXTURES_LAST_LAYER, REFERENCE_FIXTURES, load_pair
 
 # Hypothesis' "explain" phase re-runs a failing example under a line tracer, which takes
 # minutes on torch code; a failure is still shrunk to a minimal example.
@@ -94,11 +94,13 @@ def block_of(token: torch.Tensor, drafter: Drafter) -> torch.Tensor:
 
 # ------------------------------------------------------- (a) the public reference implementation
 
-def test_reference_fixture(reference_pair):
-    target, drafter = reference_pair
-    ref = load_file(FIXTURES / "draft_forward.safetensors")
+@pytest.mark.parametrize("fixture", REFERENCE_FIXTURES, ids=lambda p: p.name)
+def test_reference_fixture(fixture):
+    target, drafter = load_pair(fixture)
+    ref = load_file(fixture / "draft_forward.safetensors")
     n = ref["context_ids"].shape[1]
-    assert drafter.target_layer_ids == (1, 3) and drafter.block_size == 16
+    if fixture == FIXTURES_LAST_LAYER:  # conditioned on the last layer: its feature is post-norm
+        assert drafter.target_layer_ids[-1] == target.config.num_hidden_layers - 1
 
     features = target_features(target, ref["context_ids"], drafter.target_layer_ids)
     assert max_diff(features, ref["context_feature"]) <= 1e-5
@@ -107,8 +109,9 @@ def test_reference_fixture(reference_pair):
     poison(cache, 0)
     positions = ref["position_ids"]
     with torch.no_grad():
-        hidden = drafter(target.embed_tokens(ref["block_ids"]), positions[:, n:], ref["context_feature"],
-                         positions[:, :n], cache, torch.zeros(1, dtype=torch.long))
+        hidden = drafter(target.embed_tokens(ref["block_ids"]), positions[:, n:], cache=cache,
+                         ctx_feat=ref["context_feature"], ctx_pos=positions[:, :n],
+                         rows=torch.zeros(1, dtype=torch.long))
         logits = target.lm_head(hidden[:, 1:])
     assert max_diff(hidden, ref["draft_hidden"]) <= 1e-5
     assert max_diff(logits, ref["draft_logits"]) <= 1e-5
@@ -135,7 +138,7 @@ def ref_rope(x, positions, theta):
 
 
 def ref_draft_block(sd, cfg: DrafterConfig, block_emb, block_pos, ctx_feat, ctx_pos):
-    """One DFlash draft pass for a single sequence (DESIGN.md §1), from the state dict alone.
+    """One DFlash draft pass for a single sequence (the DFlash paper's definition), from the state dict alone.
 
     block_emb [B, H], block_pos [B], ctx_feat [n, K*H] for ALL committed positions ctx_pos [n].
     """
@@ -199,8 +202,8 @@ def check_draft(target, drafter, ids, features, start, ctx_from, cache, row):
     block_pos = torch.arange(start, start + drafter.block_size)
     with torch.no_grad():
         emb = target.embed_tokens(block_ids)
-        ours = drafter(emb, block_pos[None], features[:, ctx_from:start], torch.arange(ctx_from, start)[None],
-                       cache, torch.tensor([row]))
+        ours = drafter(emb, block_pos[None], cache=cache, ctx_feat=features[:, ctx_from:start],
+                       ctx_pos=torch.arange(ctx_from, start)[None], rows=torch.tensor([row]))
         ref = ref_draft_block(drafter.state_dict(), drafter.config, emb[0], block_pos, features[0, :start],
                               torch.arange(start))
     assert ours.shape == (1, drafter.block_size, target.config.hidden_size)
@@ -241,7 +244,7 @@ def test_drafter_cache_accumulates_committed_context(case, n2, data):
     second = check_draft(target, drafter, ids, features, n2, n1, cache, row)
     with torch.no_grad():
         again = drafter(target.embed_tokens(block_of(ids[0, n2], drafter)),
-                        torch.arange(n2, n2 + drafter.block_size)[None], None, None, cache, torch.tensor([row]))
+                        torch.arange(n2, n2 + drafter.block_size)[None], cache=cache, rows=torch.tensor([row]))
     assert torch.equal(again, second)
 
 
@@ -283,8 +286,8 @@ def draft_once(target, drafter, seed=0, n=9):
     cache = drafter.new_cache(1, n + drafter.block_size)
     with torch.no_grad():
         return drafter(target.embed_tokens(block_of(ids[0, n], drafter)),
-                       torch.arange(n, n + drafter.block_size)[None], features[:, :n], torch.arange(n)[None],
-                       cache, torch.zeros(1, dtype=torch.long))
+                       torch.arange(n, n + drafter.block_size)[None], cache=cache, ctx_feat=features[:, :n],
+                       ctx_pos=torch.arange(n)[None], rows=torch.zeros(1, dtype=torch.long))
 
 
 def test_drafter_checkpoint_has_zlab_layout(tmp_path):

@@ -6,11 +6,11 @@ import pytest
 
 import dflow_rt
 from dflow_rt.cli import main
+from dflow_rt.data.prompts import suite_texts
 from dflow_rt.eval.diagnose import relay_diagnostics, summarize
-from dflow_rt.eval.suites import suite_texts
 from dflow_rt.eval.tau import TauResult, measure_tau, sem
 from dflow_rt.models.drafter import with_relay
-from dflow_rt.round import RoundTrace
+from dflow_rt.reference import RoundTrace
 from tests.conftest import FIXTURES
 from tests.helpers import random_relay
 
@@ -22,7 +22,7 @@ def test_suites_are_fixed_and_held_out():
     assert len(code) == 164 and code[0].startswith("from typing import List")  # HumanEval, in task order
     assert suite_texts("code", 5) == code[:5]
     assert suite_texts("math", 7) == suite_texts("math")[:7]
-    from dflow_rt.train.data import heldout_chat_prompts
+    from dflow_rt.data.corpus import heldout_chat_prompts
 
     assert len(suite_texts("chat")) == len(heldout_chat_prompts()) > 50
     with pytest.raises(dflow_rt.InputError):
@@ -84,7 +84,7 @@ def test_diagnostics_on_real_rounds(reference_pair):
 
 def test_cli_eval_tau_json(reference_pair, capsys, monkeypatch):
     target_dir, drafter_dir = FIXTURES / "target", FIXTURES / "drafter"
-    monkeypatch.setattr("dflow_rt.eval.suites.suite_texts", lambda suite, limit=None: ["a b c", "x y z w"][:limit])
+    monkeypatch.setattr("dflow_rt.data.prompts.suite_texts", lambda suite, limit=None: ["a b c", "x y z w"][:limit])
     monkeypatch.setattr("dflow_rt.tokenizer.load_tokenizer", lambda path: FakeTokenizer())
     assert main(["eval-tau", "--target", str(target_dir), "--drafter", str(drafter_dir), "--suite", "math",
                  "--limit", "2", "--max-new-tokens", "24", "--json", "--diagnostics"]) == 0

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import dflow_rt
-from dflow_rt.models.drafter import with_relay
+from dflow_rt.models.drafter import relay_off, with_relay
 from dflow_rt.models.relay import RelayBuffer, shift_to_slots
 from tests.conftest import FIXTURES
 from tests.helpers import ours_from_hf, random_relay, tiny_drafter, tiny_hf_target
@@ -77,9 +77,8 @@ def test_relay_changes_drafts_but_not_output(reference_pair, relay_input):
     changed = 0
     for case in CASES:
         on = dflow_rt.generate(target, drafter, case["prompt_ids"], max_new_tokens=48)
-        drafter.use_relay = False
-        off = dflow_rt.generate(target, drafter, case["prompt_ids"], max_new_tokens=48)
-        drafter.use_relay = True
+        with relay_off(drafter):
+            off = dflow_rt.generate(target, drafter, case["prompt_ids"], max_new_tokens=48)
         assert on.token_ids == off.token_ids == case["output_ids"][:48]
         changed += on.acceptance_lengths != off.acceptance_lengths
     assert changed > 0, "a random relay should change some drafts"

@@ -3,20 +3,24 @@
 import json
 import random
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import dflow_rt
-from tests.conftest import FIXTURES
+from tests.conftest import FIXTURES, REFERENCE_FIXTURES, load_pair
 from tests.helpers import hf_greedy, ours_from_hf, tiny_drafter, tiny_hf_target
 
 ROUNDS = json.loads((FIXTURES / "rounds.json").read_text())
 
 
-def test_rounds_match_reference_implementation(reference_pair):
-    target, drafter = reference_pair
-    for case in ROUNDS["cases"]:
+@pytest.mark.parametrize("fixture", REFERENCE_FIXTURES, ids=lambda p: p.name)
+def test_rounds_match_reference_implementation(fixture):
+    target, drafter = load_pair(fixture)
+    rounds = json.loads((fixture / "rounds.json").read_text())
+    assert drafter.block_size == rounds["block_size"] and drafter.config.mask_token_id == rounds["mask_token_id"]
+    for case in rounds["cases"]:
         out = dflow_rt.generate(target, drafter, case["prompt_ids"], max_new_tokens=case["max_new_tokens"])
         assert out.token_ids == case["output_ids"]
         n = len(out.acceptance_lengths)
@@ -24,7 +28,8 @@ def test_rounds_match_reference_implementation(reference_pair):
         assert out.acceptance_lengths[: n - 1] == case["acceptance_lengths"][: n - 1]
         assert n in (len(case["acceptance_lengths"]), len(case["acceptance_lengths"]) - 1)
         assert out.acceptance_lengths[-1] <= case["acceptance_lengths"][n - 1]
-    assert {a for c in ROUNDS["cases"] for a in c["acceptance_lengths"]} >= {1, 16}, "fixture should vary acceptance"
+    B = rounds["block_size"]
+    assert {a for c in rounds["cases"] for a in c["acceptance_lengths"]} >= {1, B}, "fixture should vary acceptance"
 
 
 def test_prompt_as_tensor_and_autoregressive_mode(reference_pair):
@@ -55,7 +60,7 @@ class OracleDrafter:
     def new_relay_buffer(self, batch, block_size):
         return self.real.new_relay_buffer(batch, block_size)
 
-    def propose(self, target, block_ids, block_pos, ctx_feat, ctx_pos, cache, rows, relay=None):
+    def propose(self, target, block_ids, block_pos, *, cache, ctx_feat=None, ctx_pos=None, rows=None, relay=None):
         first = int(block_pos[0, 1]) - self.prompt_len
         vocab = self.config.vocab_size
         drafts = []

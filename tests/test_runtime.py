@@ -235,3 +235,47 @@ def test_finished_rows_stay_inside_a_tight_cache(reference_pair):
     outs = rt.generate(prompts, max_new_tokens=max_new)
     for p, out in zip(prompts, outs, strict=True):
         assert out == dflow_rt.generate(target, drafter, p, max_new_tokens=max_new).token_ids
+
+
+@pytest.mark.parametrize("relay", [False, True], ids=["dflash", "dflow"])
+def test_every_verify_width_matches_the_reference_round(reference_pair, relay):
+    """Verifying only the first k of B drafted positions is lossless at every k, and the Runtime's
+    rounds are the reference round's at that k (acceptance capped at k, relay counts k - 1 - a)."""
+    target, drafter = reference_pair
+    drafter = random_relay(drafter, seed=1) if relay else drafter
+    prompts = [c["prompt_ids"] for c in CASES[:3]]
+    greedy = [c["output_ids"][:40] for c in CASES[:3]]
+    longest = {}
+    for k in range(1, drafter.block_size + 1):
+        rt = Runtime(target, drafter, RuntimeConfig(max_batch=2, max_len=96, verify_width=k))
+        outs, counts = per_round(rt, prompts, 40)
+        for prompt, out, cnt, truth in zip(prompts, outs, counts, greedy, strict=True):
+            ref = dflow_rt.generate(target, drafter, prompt, max_new_tokens=40, verify_width=k)
+            assert out == ref.token_ids == truth, k
+            assert cnt == reference_counts(ref), k
+            assert max(ref.acceptance_lengths) <= k
+        longest[k] = max(max(c) for c in counts)
+    assert longest[1] == 2 and longest[16] > longest[4] > 2, longest  # widths really cap acceptance
+
+
+def test_verify_width_per_batch_bucket(reference_pair):
+    target, drafter = reference_pair
+    config = RuntimeConfig(max_batch=4, max_len=96, batch_buckets=(1, 4), verify_width={1: 3},
+                           backend="compile", compile_backend="aot_eager")
+    rt = Runtime(target, drafter, config)
+    assert rt.widths == {1: 3, 4: 16}
+    prompts = [c["prompt_ids"] for c in CASES[:4]]
+    outs, _ = per_round(rt, prompts[:1], 40)  # one request: bucket 1, width 3
+    assert outs[0] == CASES[0]["output_ids"][:40] and max(rt_acceptance(rt, prompts[0])) <= 3
+    outs, _ = per_round(rt, prompts, 40)  # four: bucket 4, the full block
+    assert outs == [c["output_ids"][:40] for c in CASES[:4]]
+    for bad in ({2: 3}, {1: 0}, {1: 17}, 1.5):
+        with pytest.raises(dflow_rt.InputError, match="verify_width"):
+            Runtime(target, drafter, RuntimeConfig(max_batch=4, max_len=96, batch_buckets=(1, 4), verify_width=bad))
+
+
+def rt_acceptance(rt: Runtime, prompt) -> list[int]:
+    rid = rt.add_request(prompt, max_new_tokens=40)
+    while not rt.is_finished(rid):
+        rt.step()
+    return rt.pop(rid).acceptance

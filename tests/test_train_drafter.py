@@ -18,12 +18,14 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 import dflow_rt
+from dflow_rt.data import corpus as data
+from dflow_rt.data import prompts
 from dflow_rt.errors import InputError
 from dflow_rt.models import checkpoint
 from dflow_rt.models.drafter import with_relay
 from dflow_rt.models.target import Target, TargetConfig
 from dflow_rt.tokenizer import load_tokenizer, train_tokenizer
-from dflow_rt.train import data, regen
+from dflow_rt.train import anchors, regen, sequences
 from dflow_rt.train.cli import main
 from dflow_rt.train.drafter import freeze_shared_weights, make_optimizer
 from dflow_rt.train.loop import clip_gradients
@@ -118,8 +120,8 @@ def test_training_forward_equals_inference_forward_and_labels_are_unshifted(refe
     for n, p in enumerate(starts[0].tolist()):
         cache = drafter.new_cache(1, L + B)
         with torch.no_grad():
-            h = drafter(emb[:, n * B:(n + 1) * B], torch.arange(p, p + B)[None], feats[:, :p], torch.arange(p)[None],
-                        cache, torch.zeros(1, dtype=torch.long))
+            h = drafter(emb[:, n * B:(n + 1) * B], torch.arange(p, p + B)[None], cache=cache, ctx_feat=feats[:, :p],
+                        ctx_pos=torch.arange(p)[None], rows=torch.zeros(1, dtype=torch.long))
         ref = target.lm_head(h)
         torch.testing.assert_close(train_logits[:, n * B:(n + 1) * B], ref, atol=1e-5, rtol=1e-5)
         ce = F.cross_entropy(ref[0, 1:], ids[0, p + 1:p + B], reduction="none")
@@ -232,13 +234,13 @@ def test_frozen_shared_weights_leave_the_relay_gradient_unchanged(reference_pair
 # ---------------------------------------------------------------------------------------- data
 
 def test_regen_writes_target_greedy_continuations_of_training_prompts(tiny_dir, data_file, tmp_path):
-    seqs = regen.load_sequences(data_file)
+    seqs = sequences.load_sequences(data_file)
     tokenizer = load_tokenizer(tiny_dir)
     target = dflow_rt.load_target(tiny_dir)
     assert len(seqs) == 24 and set(seqs.kinds.tolist()) == {0, 1, 2}
     texts = [tokenizer.decode(seqs[i][:int(seqs.prompt_lens[i])]) for i in range(len(seqs))]
     for i in range(len(seqs)):
-        kind, prompt = regen.training_prompt(tokenizer, 0, i, 40)
+        kind, prompt = prompts.training_prompt(tokenizer, 0, i, 40)
         assert seqs[i][:len(prompt)].tolist() == prompt and kind == seqs.kinds[i]
     for i in (0, 1, 2):  # batched greedy == the reference round without a drafter
         P = int(seqs.prompt_lens[i])
@@ -248,15 +250,15 @@ def test_regen_writes_target_greedy_continuations_of_training_prompts(tiny_dir, 
     assert not any(q in t for q in heldout for t in texts)
     # A rerun continues from the partial file and writes the same sequences.
     done = tmp_path / "again.safetensors"
-    regen.save_sequences(done.with_name(done.name + ".partial"), [seqs[i].tolist() for i in range(8)],
+    sequences.save_sequences(done.with_name(done.name + ".partial"), [seqs[i].tolist() for i in range(8)],
                          seqs.prompt_lens[:8].tolist(), seqs.kinds[:8].tolist(), {**seqs.meta, "target": "x"})
     regen.regenerate(tiny_dir, done, prompts=24, max_new_tokens=56, batch=8, max_prompt_tokens=40)
-    assert torch.equal(regen.load_sequences(done).tokens, seqs.tokens)
+    assert torch.equal(sequences.load_sequences(done).tokens, seqs.tokens)
     # A later range of prompts (fresh data for a continuation) is the tail of the full run.
     tail = tmp_path / "tail.safetensors"
     assert run_cli(["regen", "--target", str(tiny_dir), "--out", str(tail), "--prompts", "8", "--first-prompt", "16",
                     "--max-new-tokens", "56", "--max-prompt-tokens", "40", "--batch", "8", "--threads", "1"]) == 0
-    later = regen.load_sequences(tail)
+    later = sequences.load_sequences(tail)
     assert [later[i].tolist() for i in range(8)] == [seqs[i].tolist() for i in range(16, 24)]
     assert later.meta["first_prompt"] == 16 and "first_prompt" not in seqs.meta
     with pytest.raises(InputError, match="first-prompt"):
@@ -264,9 +266,9 @@ def test_regen_writes_target_greedy_continuations_of_training_prompts(tiny_dir, 
 
 
 def test_anchor_batches_do_not_depend_on_world_size(data_file):
-    seqs = regen.load_sequences(data_file)
-    one = regen.AnchorBatches(seqs, list(range(20)), 4, 6, 8, 1, seed=3)
-    ranks = [regen.AnchorBatches(seqs, list(range(20)), 4, 6, 8, 1, seed=3, rank=r, world=2) for r in (0, 1)]
+    seqs = sequences.load_sequences(data_file)
+    one = anchors.AnchorBatches(seqs, list(range(20)), 4, 6, 8, 1, seed=3)
+    ranks = [anchors.AnchorBatches(seqs, list(range(20)), 4, 6, 8, 1, seed=3, rank=r, world=2) for r in (0, 1)]
     for _ in range(7):  # across an epoch boundary
         ids, lengths, starts, ok = one.next()
         parts = [r.next() for r in ranks]
@@ -274,7 +276,7 @@ def test_anchor_batches_do_not_depend_on_world_size(data_file):
             [p[1] for p in parts]))
     assert one.state() == {"epoch": 1, "index": 2}
     rows = list(range(len(seqs)))
-    ids, lengths, starts, ok = regen.collate(seqs, rows, 6, 24, 8, [str(i) for i in rows])
+    ids, lengths, starts, ok = anchors.collate(seqs, rows, 6, 24, 8, [str(i) for i in rows])
     assert ok.any(1).all() and torch.equal(lengths, seqs.lengths())
     for i in rows:  # distinct anchors in the continuation, with room for the span (else for one block)
         mine = starts[i][ok[i]]
@@ -300,7 +302,7 @@ def test_dflash_training_lowers_loss_and_exports_a_lossless_drafter(dflash_run, 
     assert "fc.weight" in keys and not any("embed" in k or "lm_head" in k for k in keys)
     target = dflow_rt.load_target(tiny_dir)
     drafter = dflow_rt.load_drafter(dflash_run, target)
-    seqs = regen.load_sequences(tiny_dir.parent / "data.safetensors")
+    seqs = sequences.load_sequences(tiny_dir.parent / "data.safetensors")
     for i in (20, 21, 22, 23):  # held-out rows
         prompt = seqs[i][:int(seqs.prompt_lens[i])]
         spec = dflow_rt.generate(target, drafter, prompt, max_new_tokens=40)
@@ -337,7 +339,7 @@ def test_dflow_training_writes_a_loadable_dflow_drafter(tiny_dir, data_file, dfl
     target = dflow_rt.load_target(tiny_dir)
     drafter = dflow_rt.load_drafter(out, target)
     assert drafter.relay is not None and drafter.use_relay
-    prompt = regen.load_sequences(data_file)[22][:40]
+    prompt = sequences.load_sequences(data_file)[22][:40]
     assert (dflow_rt.generate(target, drafter, prompt, max_new_tokens=40).token_ids ==
             dflow_rt.generate(target, None, prompt, max_new_tokens=40).token_ids)
     # From scratch: a fresh DFlow drafter (zero-init relay) of the requested shape.

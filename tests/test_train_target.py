@@ -19,8 +19,9 @@ import torch
 from safetensors.torch import load_file
 
 import dflow_rt
+from dflow_rt.data import corpus as data
+from dflow_rt.data import synth
 from dflow_rt.tokenizer import SPECIAL_TOKENS, load_tokenizer
-from dflow_rt.train import data, synth
 from dflow_rt.train.cli import main
 
 TINY = ["--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2", "--ffn", "128", "--seq-len", "32",
@@ -107,7 +108,7 @@ def test_splits_are_stable_and_disjoint():
 
 DIGEST = """
 import hashlib, sys
-from dflow_rt.train import data
+from dflow_rt.data import corpus as data
 mix = data.Mix(math_docs=300, math_chats=100, max_files=6)
 text = "\\x00".join(data.epoch_documents(0, 0, mix) + data.heldout_chat_prompts() + data.heldout_math_prompts(50))
 print(hashlib.sha256(text.encode()).hexdigest())

@@ -20,7 +20,7 @@ import torch
 from tqdm import tqdm
 
 from dflow_rt.config import RuntimeConfig
-from dflow_rt.graphs import round as rnd
+from dflow_rt.graphs import batched_round
 from dflow_rt.graphs.runner import compile_static, compiling, greedy_shortcut, mark_length_dynamic
 from dflow_rt.runtime import Runtime
 
@@ -91,9 +91,9 @@ def phases(target, drafter, backend: str, batch: int, prompts, rounds: int) -> d
     device = rt.state.tokens.device
     views = {L: rt.state.view(batch, L) for L in rt.lengths}
     mask_id = drafter.config.mask_token_id if drafter is not None else 0
-    fns = {"draft": functools.partial(rnd.draft, target, drafter, mask_token_id=mask_id),
-           "verify": functools.partial(rnd.verify, target, layer_ids=rt.layer_ids,
-                                       greedy_shortcut=greedy_shortcut(device)), "commit": rnd.commit}
+    fns = {"draft": functools.partial(batched_round.draft, target, drafter, mask_token_id=mask_id),
+           "verify": functools.partial(batched_round.verify, target, layer_ids=rt.layer_ids,
+                                       greedy_shortcut=greedy_shortcut(device)), "commit": batched_round.commit}
     if backend != "eager":
         for view in views.values():
             mark_length_dynamic(view)

@@ -11,7 +11,7 @@
 
 from __future__ import annotations
 
-from dflow_rt.round import RoundTrace, generate
+from dflow_rt.reference import RoundTrace, generate
 
 
 def relay_diagnostics(target, drafter, prompts: list[list[int]], max_new_tokens: int = 128,
@@ -29,15 +29,15 @@ def summarize(traces: list[list[RoundTrace]]) -> dict:
     changed_rounds = relay_rounds = changed_slots = relay_slots = 0
     for trace in traces:
         for prev, cur in zip(trace, trace[1:], strict=False):
-            B = len(prev.block)
-            if prev.accepted >= B - 1:
+            width = len(prev.verified)  # block positions the target checked (all B by default)
+            if prev.accepted >= width - 1:
                 continue  # nothing was rejected: nothing to relay
             truth = cur.verified[0]  # the target's token after the bonus
             follow_ups += 1
             target_right += prev.verified[prev.accepted + 1] == truth
             drafter_right += cur.block[1] == truth
             if cur.drafts_without_relay is not None:
-                n = B - 1 - prev.accepted  # slots 1..n carry relayed features
+                n = width - 1 - prev.accepted  # slots 1..n carry relayed features
                 diff = [x != y for x, y in zip(cur.block[1:], cur.drafts_without_relay, strict=True)]
                 relay_rounds += 1
                 changed_rounds += any(diff)

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 import torch
 
 from dflow_rt.config import RuntimeConfig
+from dflow_rt.data.synth import stable_unit
+from dflow_rt.models.drafter import relay_off
 from dflow_rt.runtime import Runtime
-from dflow_rt.train.synth import stable_unit
 
 
 @dataclass
@@ -88,3 +89,15 @@ def measure_tau(target, drafter, prompts: list[list[int]], suite: str = "", temp
             rt.step()
             bar.update(sum(rt.is_finished(r) for r in rids) - bar.n)
     return TauResult(drafter.block_size, [rt.pop(r).acceptance for r in rids])
+
+
+def heldout_tau(target, drafter, prompts: list[list[int]], max_new_tokens: int,
+                stop_ids: list[int] = ()) -> dict[str, float]:
+    """Greedy tau (`dflow-rt eval-tau`'s definition) on held-out prompts; for a DFlow drafter also with its
+    relay off, the ablation that tells whether the relay helps."""
+    out = {}
+    for name, off in [("tau", False), ("tau_norelay", True)][:2 if drafter.relay is not None else 1]:
+        with relay_off(drafter, off):
+            out[name] = measure_tau(target, drafter, prompts, max_new_tokens=max_new_tokens,
+                                    stop_token_ids=tuple(stop_ids)).tau
+    return out

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import torch
 
-from dflow_rt.graphs.round import decode_round
+from dflow_rt.graphs.batched_round import decode_round
 from dflow_rt.graphs.state import DecodeState
 
 Bucket = tuple[int, int]  # (rows, cache length)
@@ -16,9 +16,10 @@ Bucket = tuple[int, int]  # (rows, cache length)
 
 def build_rounds(target, drafter, state: DecodeState, buckets: tuple[int, ...], lengths: tuple[int, ...],
                  backend: str, mask_token_id: int, layer_ids: tuple[int, ...],
-                 compile_backend: str = "inductor") -> dict[Bucket, Callable[[], None]]:
+                 compile_backend: str = "inductor",
+                 widths: dict[int, int] | None = None) -> dict[Bucket, Callable[[], None]]:
     """One zero-argument callable per (rows, length) bucket, running the round on rows [0, rows)
-    over cache positions [0, length).
+    over cache positions [0, length), verifying the first `widths[rows]` drafted positions.
 
     Compiled rounds trace one graph per row count with the cache length symbolic; each row
     count runs here at its shortest and longest length (no row is live yet, so these runs
@@ -34,7 +35,8 @@ def build_rounds(target, drafter, state: DecodeState, buckets: tuple[int, ...], 
         for view in views.values():
             mark_length_dynamic(view)
         fn = compile_static(fn, compile_backend)
-    rounds = {key: functools.partial(fn, view) for key, view in views.items()}
+    widths = widths or {}
+    rounds = {(n, L): functools.partial(fn, view, verify_width=widths.get(n)) for (n, L), view in views.items()}
     with compiling(compile_backend, state.tokens.device):
         if backend == "cudagraph":
             return capture_cuda_graphs(rounds)

@@ -9,6 +9,8 @@ Logits come from the target's `lm_head`; the drafter owns neither table.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -109,7 +111,7 @@ class Drafter(nn.Module):
         pick = (lambda t: t) if rows is None else (lambda t: t[rows])
         if projected is None:
             projected = self.project(pick(buffer.features))
-        u, valid = shift_to_slots(projected, pick(buffer.accepted))
+        u, valid = shift_to_slots(projected, pick(buffer.accepted), pick(buffer.width))
         relay = self.relay(u, self.embed(target, pick(buffer.bonus)), self.embed(target, pick(buffer.rejected)))
         return relay * valid[..., None].to(relay.dtype), valid
 
@@ -128,8 +130,9 @@ class Drafter(nn.Module):
             cache.write(i, rows, ctx_pos, k, v)
         return ctx
 
-    def forward(self, block_emb: torch.Tensor, block_pos: torch.Tensor, ctx_feat: torch.Tensor | None,
-                ctx_pos: torch.Tensor | None, cache: KVCache, rows: torch.Tensor | None,
+    def forward(self, block_emb: torch.Tensor, block_pos: torch.Tensor, *, cache: KVCache,
+                ctx_feat: torch.Tensor | None = None, ctx_pos: torch.Tensor | None = None,
+                rows: torch.Tensor | None = None,
                 relay_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Hidden states [batch, block, hidden] of one draft pass.
 
@@ -158,9 +161,9 @@ class Drafter(nn.Module):
             h = layer(h, attend)
         return self.norm(h)
 
-    def propose(self, target: nn.Module, block_ids: torch.Tensor, block_pos: torch.Tensor,
-                ctx_feat: torch.Tensor | None, ctx_pos: torch.Tensor | None, cache: KVCache,
-                rows: torch.Tensor | None, relay: RelayBuffer | None = None) -> torch.Tensor:
+    def propose(self, target: nn.Module, block_ids: torch.Tensor, block_pos: torch.Tensor, *, cache: KVCache,
+                ctx_feat: torch.Tensor | None = None, ctx_pos: torch.Tensor | None = None,
+                rows: torch.Tensor | None = None, relay: RelayBuffer | None = None) -> torch.Tensor:
         """Greedy drafts [batch, block - 1] for slots 1.. of `block_ids` (one denoising step).
 
         With a DFlow relay and a `relay` buffer holding the last verify pass, the rejected
@@ -177,7 +180,7 @@ class Drafter(nn.Module):
                 relay_kv = vectors, valid
             else:
                 emb = emb + vectors
-        h = self(emb, block_pos, None, None, cache, rows, relay_kv)
+        h = self(emb, block_pos, cache=cache, rows=rows, relay_kv=relay_kv)
         return self.logits(target, h[:, 1:]).argmax(-1)
 
 
@@ -192,3 +195,18 @@ def with_relay(drafter: Drafter, relay_hidden: int, seed: int = 0, relay_input: 
     dflow.relay.zero_init()
     dflow.load_state_dict(drafter.state_dict(), strict=False)
     return dflow.to(device=w.device, dtype=w.dtype).eval()
+
+
+@contextmanager
+def relay_off(drafter: Drafter | None, off: bool = True) -> Iterator[None]:
+    """Draft as the DFlash parent would (the relay ablation) inside the block; `off=False` keeps a
+    DFlow drafter's relay on. The switch is restored on exit, also after an error."""
+    if drafter is None:
+        yield
+        return
+    before = drafter.use_relay
+    drafter.use_relay = drafter.relay is not None and not off
+    try:
+        yield
+    finally:
+        drafter.use_relay = before

@@ -63,17 +63,21 @@ def relay_keys(attn: nn.Module, relay: torch.Tensor, mask: torch.Tensor, cos: to
     return torch.cat([null, k], dim=2), torch.cat([null, v], dim=2), mask
 
 
-def shift_to_slots(features: torch.Tensor, accepted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def shift_to_slots(features: torch.Tensor, accepted: torch.Tensor,
+                   width: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Move last round's verify features [batch, B, F] so row a+j lands in slot j.
 
-    `accepted` [batch] is a (drafts accepted). Returns (shifted [batch, B, F], valid [batch, B]):
-    slot j is valid for 1 <= j <= B-1-a; slot 0 and slots past the rejected suffix are not.
-    Static shapes throughout, so the same code serves the eager and the compiled round.
+    `accepted` [batch] is a (drafts accepted); `width` [batch] how many block positions that
+    verify checked (default all B: a Runtime may verify fewer). Returns (shifted [batch, B, F],
+    valid [batch, B]): slot j is valid for 1 <= j <= width-1-a; slot 0 and slots past the
+    rejected suffix are not. Static shapes throughout, so the same code serves the eager and
+    the compiled round.
     """
     B = features.shape[1]
     slots = torch.arange(B, device=features.device)
     src = (accepted[:, None] + slots).clamp(max=B - 1)
-    valid = (slots >= 1) & (slots <= B - 1 - accepted[:, None])
+    last = (B if width is None else width[:, None]) - 1 - accepted[:, None]
+    valid = (slots >= 1) & (slots <= last)
     shifted = torch.gather(features, 1, src[..., None].expand(-1, -1, features.shape[-1]))
     return shifted, valid
 
@@ -81,9 +85,10 @@ def shift_to_slots(features: torch.Tensor, accepted: torch.Tensor) -> tuple[torc
 class RelayBuffer:
     """Per-request store of the last verify pass, preallocated once and rewritten in place.
 
-    Holds the B verify features (accepted prefix and rejected suffix alike: the prefix is the
-    next draft's new context, the suffix its relay), the accepted count a, the bonus token c
-    and the first rejected draft d. The valid relay count is B - 1 - a: a fresh request is
+    Holds the verify features (accepted prefix and rejected suffix alike: the prefix is the
+    next draft's new context, the suffix its relay), the accepted count a, the bonus token c,
+    the first rejected draft d and the verify width k (B, or fewer when only the first k
+    drafted positions were verified). The valid relay count is k - 1 - a: a fresh request is
     recorded as a fully accepted block, which relays nothing.
     """
 
@@ -93,6 +98,7 @@ class RelayBuffer:
         self.accepted = torch.full((batch,), block_size - 1, dtype=torch.long, device=device)
         self.bonus = torch.zeros(batch, dtype=torch.long, device=device)
         self.rejected = torch.zeros(batch, dtype=torch.long, device=device)
+        self.width = torch.full((batch,), block_size, dtype=torch.long, device=device)
 
     def view(self, n: int) -> RelayBuffer:
         """The first `n` rows, sharing storage (a batch bucket of the static round)."""
@@ -102,18 +108,21 @@ class RelayBuffer:
         return out
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.features, self.accepted, self.bonus, self.rejected]
+        return [self.features, self.accepted, self.bonus, self.rejected, self.width]
 
     def write(self, rows: torch.Tensor | None, features: torch.Tensor, block: torch.Tensor, verified: torch.Tensor,
               accepted: torch.Tensor) -> None:
-        """Record one verify pass of `rows` (None: all): features [b, B, F], ids [b, B], accepted [b]."""
-        B, a = block.shape[1], accepted[:, None]
+        """Record one verify pass of `rows` (None: all): features [b, k, F] and ids [b, k] of the k
+        verified block positions (k <= B), accepted [b]."""
+        k, a = block.shape[1], accepted[:, None]
         idx = slice(None) if rows is None else rows
-        self.features[idx] = features.to(self.features.dtype)  # the target may run in another dtype
+        self.features[idx, :k] = features.to(self.features.dtype)  # the target may run in another dtype
+        self.width[idx] = k
         self.accepted[idx] = accepted
         self.bonus[idx] = verified.gather(1, a)[:, 0]
-        self.rejected[idx] = block.gather(1, (a + 1).clamp(max=B - 1))[:, 0]
+        self.rejected[idx] = block.gather(1, (a + 1).clamp(max=k - 1))[:, 0]
 
     def clear(self, rows: torch.Tensor) -> None:
         """Nothing to relay for `rows` (a request that has just been prefilled)."""
         self.accepted[rows] = self.features.shape[1] - 1
+        self.width[rows] = self.features.shape[1]

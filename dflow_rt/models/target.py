@@ -2,7 +2,8 @@
 hidden states of chosen layers (the drafter's conditioning).
 
 `features` are outputs of decoder layers `layer_ids` concatenated on the last axis: HF's
-`hidden_states[l + 1]`. For the last layer this is the raw output, before the final norm.
+`hidden_states[l + 1]`. HF's last entry is taken AFTER the final norm, and DFlash drafters are
+trained on exactly that, so the last layer's feature is its normed output (`Target.features`).
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ class Target(nn.Module):
         return KVCache(c.num_hidden_layers, batch, c.num_key_value_heads, max_len, c.head_dim, w.dtype, w.device)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache | None = None,
-                rows: torch.Tensor | None = None, layer_ids: tuple[int, ...] = (), logits_from: int = 0):
+                rows: torch.Tensor | None = None, *, layer_ids: tuple[int, ...] = (), logits_from: int = 0):
         """Run `ids` [batch, seq] at `positions` [batch, seq], causally.
 
         With a `cache`, keys/values are written to cache `rows` [batch] and each token sees the
@@ -97,5 +98,11 @@ class Target(nn.Module):
             h = layer(h, attend)
             if i in layer_ids:
                 picked[i] = h
-        features = torch.cat([picked[i] for i in layer_ids], dim=-1) if layer_ids else None
-        return self.lm_head(self.model.norm(h[:, logits_from:])), features
+        return self.lm_head(self.model.norm(h[:, logits_from:])), self.features(picked, layer_ids)
+
+    def features(self, picked: dict[int, torch.Tensor], layer_ids: tuple[int, ...]) -> torch.Tensor | None:
+        """Outputs of layers `layer_ids` (from `picked`) side by side, the last layer's after the
+        final norm: HF `hidden_states[l + 1]` for every l, as the DFlash reference feeds its drafter."""
+        last = self.config.num_hidden_layers - 1
+        parts = [self.model.norm(picked[i]) if i == last else picked[i] for i in layer_ids]
+        return torch.cat(parts, dim=-1) if parts else None

@@ -16,8 +16,8 @@ from dflow_rt.train.settings import TARGET_DEFAULTS
 
 
 def cmd_tokenizer(args: argparse.Namespace) -> None:
+    from dflow_rt.data.corpus import tokenizer_sample
     from dflow_rt.tokenizer import train_tokenizer
-    from dflow_rt.train.data import tokenizer_sample
 
     t0 = time.perf_counter()
     texts = tokenizer_sample(int(args.sample_mb * 1e6))

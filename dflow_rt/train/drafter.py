@@ -13,22 +13,17 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from dflow_rt.data.prompts import heldout_prompts
 from dflow_rt.errors import InputError
+from dflow_rt.eval.tau import heldout_tau
 from dflow_rt.models.checkpoint import load_drafter, load_target, save_model
-from dflow_rt.models.drafter import Drafter, DrafterConfig, build_target_layer_ids, with_relay
+from dflow_rt.models.drafter import Drafter, DrafterConfig, build_target_layer_ids, relay_off, with_relay
 from dflow_rt.models.target import Target
 from dflow_rt.tokenizer import load_tokenizer, stop_token_ids
 from dflow_rt.train import loop
+from dflow_rt.train.anchors import AnchorBatches, collate
 from dflow_rt.train.objective import DraftObjective, auto_gamma
-from dflow_rt.train.regen import (
-    AnchorBatches,
-    collate,
-    file_digest,
-    heldout_prompts,
-    heldout_tau,
-    load_sequences,
-    model_digest,
-)
+from dflow_rt.train.sequences import file_digest, load_sequences, model_digest
 
 # Settings that define a run (a resumed run keeps its own). `batch` is per rank, like the target's.
 DFLASH_DEFAULTS = {"block_size": 16, "layers": 2, "target_layers": None, "mask_token_id": None, "anchors": 32,
@@ -129,9 +124,9 @@ class DrafterTask:
         """Held-out sequences: real-round tau (DFlow: also with the relay off), loss and slot accuracy of
         those rounds; real tau of `generate` on prompts of the held-out suites."""
         drafter, out = self.objective.drafter, {}
-        for suffix, relay in [("", True), ("_norelay", False)][:2 if drafter.relay is not None else 1]:
-            drafter.use_relay = relay and drafter.relay is not None
-            sums = self.rollout() if self.eval_rows else {}
+        for suffix, off in [("", False), ("_norelay", True)][:2 if drafter.relay is not None else 1]:
+            with relay_off(drafter, off):
+                sums = self.rollout() if self.eval_rows else {}
             if sums:
                 out[f"eval_tau{suffix}"] = float(sums["tau"] / sums["blocks"])
             if sums and not suffix:
@@ -139,7 +134,6 @@ class DrafterTask:
                 out |= {"eval_loss": float(sums["loss"] / sums["blocks"]), "eval_acc1": acc[0],
                         f"eval_acc{len(acc)}": acc[-1]}
                 self.log.write("eval_slots", slot_acc=[round(a, 4) for a in acc])
-        drafter.use_relay = drafter.relay is not None
         if self.prompts:
             out |= heldout_tau(self.objective._frozen[0], drafter, self.prompts, self.eval_tokens, self.stop_ids)
         self.window_t = time.perf_counter()

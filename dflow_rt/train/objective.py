@@ -1,4 +1,4 @@
-"""DFlash and DFlow drafter training on target-regenerated sequences (DESIGN §1).
+"""DFlash and DFlow drafter training on target-regenerated sequences (arXiv 2602.06036, 2609.06498).
 
 DFlash: random anchors p per sequence; block `[x_p, MASK x (B-1)]` at positions p..p+B-1 sees the
 frozen target's features of positions STRICTLY before p (the anchor's feature does not exist yet at
@@ -31,7 +31,7 @@ from dflow_rt.models.target import Target
 
 
 def auto_gamma(block_size: int) -> float:
-    """Loss decay: 7 at B = 16 (the public recipe), 4 at B = 8 (DESIGN §7), linear in between."""
+    """Loss decay: 7 at B = 16 (the public recipe), 4 at B = 8 (the planning runs' choice), linear between."""
     return max(1.0, 4.0 + (block_size - 8) * 3 / 8)
 
 
@@ -78,7 +78,7 @@ def target_context(target: Target, ids: torch.Tensor, layer_ids: tuple[int, ...]
     kv: list = []
     _, picked = run_layers(target.model.layers[:max(layer_ids) + 1], target.embed_tokens(ids), pos, target.rotary,
                            pos[:, None, :] <= pos[:, :, None], record=kv, pick=layer_ids)
-    return torch.cat([picked[i] for i in layer_ids], dim=-1), kv
+    return target.features(picked, layer_ids), kv
 
 
 def target_verify(target: Target, kv: list, blocks: torch.Tensor, starts: torch.Tensor,
@@ -89,7 +89,7 @@ def target_verify(target: Target, kv: list, blocks: torch.Tensor, starts: torch.
     mask = block_mask(kv[0][0].shape[2], starts, B, causal=True)
     _, picked = run_layers(target.model.layers[:max(layer_ids) + 1], target.embed_tokens(blocks), pos,
                            target.rotary, mask, ctx_kv=kv, pick=layer_ids)
-    return torch.cat([picked[i] for i in layer_ids], dim=-1)
+    return target.features(picked, layer_ids)
 
 
 def drafter_context(drafter: Drafter, feats: torch.Tensor) -> list:

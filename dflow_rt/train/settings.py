@@ -1,7 +1,6 @@
 """Default run settings, in a module without heavy imports so the CLI parser builds instantly."""
 
-MATH_PER_EPOCH = 16_000  # plain-text word problems per epoch
-MATH_CHAT_PER_EPOCH = 8_000  # chat-form word problems per epoch
+from dflow_rt.data.synth import MATH_CHAT_PER_EPOCH, MATH_PER_EPOCH
 
 # Settings that define a target run: a resumed run takes them from its checkpoint.
 TARGET_DEFAULTS = {"layers": 6, "hidden": 256, "heads": 4, "kv_heads": 2, "ffn": 768, "seq_len": 256, "lr": 3e-3,

@@ -15,11 +15,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from dflow_rt.data.corpus import Mix, PackedStream, eval_windows
 from dflow_rt.errors import InputError
 from dflow_rt.models.checkpoint import save_model
 from dflow_rt.models.target import Target, TargetConfig
 from dflow_rt.train import loop
-from dflow_rt.train.data import Mix, PackedStream, eval_windows
 from dflow_rt.train.settings import TARGET_DEFAULTS
 
 ROPE_THETA = 10_000.0  # short training sequences: the Qwen3 default 1e6 would waste rotary resolution
@@ -77,7 +77,7 @@ class TargetTask:
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Held-out loss per source; `heldout_loss` is the stdlib one (comparable with DESIGN.md §7)."""
+        """Held-out loss per source; `heldout_loss` is the stdlib one (the figure model cards quote)."""
         if self._eval is None:
             self._eval = eval_windows(self.tokenizer, self.stream.seq_len, self.eval_per_source)
         self.model.eval()

@@ -18,9 +18,10 @@ from pathlib import Path
 
 import torch
 
-from dflow_rt.train.settings import MATH_CHAT_PER_EPOCH, MATH_PER_EPOCH
-from dflow_rt.train.synth import (
+from dflow_rt.data.synth import (
+    MATH_CHAT_PER_EPOCH,
     MATH_HELDOUT_START,
+    MATH_PER_EPOCH,
     MATH_TRAIN_SEEDS,
     doc_chat,
     doc_items,

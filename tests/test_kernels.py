@@ -1,0 +1,259 @@
+"""Every fused kernel against its torch reference, property-based; backend selection.
+
+On CPU the Triton kernels run in Triton's interpreter (TRITON_INTERPRET=1, set before any
+kernel is first launched); with CUDA they run compiled, bf16 included. Integer outputs must
+match exactly, floating ones within TOL of their dtype.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dflow_rt.errors import InputError
+from dflow_rt.kernels import backend, resolve, select
+from dflow_rt.kernels.attention import attention_torch, attention_triton, block_mask
+from dflow_rt.kernels.commit import commit_torch, commit_triton, relay_write_torch
+from dflow_rt.kernels.flashinfer_backend import FlashInferAttention, plan_inputs
+from dflow_rt.kernels.rmsnorm import rmsnorm_torch, rmsnorm_triton
+from dflow_rt.kernels.sample import sample_torch, sample_triton
+from dflow_rt.models.layers import RMSNorm
+from dflow_rt.models.relay import RelayBuffer
+from dflow_rt.sampling import uniform
+
+CUDA = torch.cuda.is_available()
+if not CUDA:  # read when a kernel is first launched (kernels are decorated then), not at import
+    os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton")
+
+DEV = "cuda" if CUDA else "cpu"
+FLOATS = [torch.float32, torch.float16] + ([torch.bfloat16] if CUDA else [])
+TOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}  # atol = rtol
+GPU_PROFILE = os.environ.get("HYPOTHESIS_PROFILE") == "gpu"
+
+
+def examples(n: int) -> settings:
+    """n examples per test on CPU (the interpreter is slow); the gpu profile's own count there."""
+    return settings(max_examples=settings().max_examples if GPU_PROFILE else n)
+
+
+def close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> None:
+    torch.testing.assert_close(a.float(), b.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def generator(seed: int) -> torch.Generator:
+    return torch.Generator(DEV).manual_seed(seed)
+
+
+# --- commit -------------------------------------------------------------------------------
+
+
+@st.composite
+def rounds(draw):
+    """Verified blocks (k of B slots) with chosen acceptances (none, all, in between), state to carry."""
+    rows, B = draw(st.integers(1, 5)), draw(st.sampled_from([1, 2, 3, 8, 16]))
+    k = draw(st.sampled_from([B, draw(st.integers(1, B))]))
+    accepted = draw(st.lists(st.integers(0, k - 1), min_size=rows, max_size=rows))
+    g, V = generator(draw(st.integers(0, 2**16))), 7
+    verified = torch.randint(0, V, (rows, k), generator=g, device=DEV)
+    block = torch.randint(0, V, (rows, k), generator=g, device=DEV)
+    for r, a in enumerate(accepted):
+        block[r, 1:a + 1] = verified[r, :a]
+        if a + 1 < k:
+            block[r, a + 1] = (verified[r, a] + 1) % V
+    flags = [torch.tensor(draw(st.lists(st.booleans(), min_size=rows, max_size=rows)), device=DEV) for _ in "fa"]
+    feat, relay = draw(st.sampled_from(FLOATS)), draw(st.sampled_from([None, *FLOATS]))
+    F = draw(st.sampled_from([1, 24, 300]))
+
+    def ints(high):
+        return torch.randint(0, high, (rows,), generator=g, device=DEV)
+
+    state = dict(tokens=ints(V), start=ints(900), ctx_start=ints(900), fresh=flags[0], active=flags[1],
+                 out=torch.full((rows + 1, B + 2), -1, dtype=torch.long, device=DEV)[:rows])
+    if relay is not None:  # row views of a larger buffer, as a batch bucket's
+        state.update(relay_features=torch.randn(rows + 1, B, F, generator=g, device=DEV).to(relay)[:rows],
+                     relay_accepted=ints(B), relay_bonus=ints(V), relay_rejected=ints(V), relay_width=ints(B))
+    features = torch.randn(rows, k, F, generator=g, device=DEV).to(feat)
+    return block, verified, features if relay is not None else None, state
+
+
+@examples(40)
+@given(rounds())
+def test_commit_matches_reference(case):
+    block, verified, features, state = case
+    expected = {k: v.clone() for k, v in state.items()}
+    commit_torch(block, verified, features, **expected)
+    commit_triton(block, verified, features, **state)
+    for name, value in expected.items():
+        assert torch.equal(state[name], value), name
+
+
+@pytest.mark.parametrize("k", [8, 5])
+def test_relay_reference_is_the_relay_buffer_write(k):
+    g = generator(0)
+    block, verified = (torch.randint(0, 5, (4, k), generator=g, device=DEV) for _ in "bv")
+    accepted, features = torch.tensor([0, 3, k - 1, 2], device=DEV), torch.randn(4, k, 10, generator=g, device=DEV)
+    buffer, mine = RelayBuffer(4, 8, 10, torch.float16, DEV), RelayBuffer(4, 8, 10, torch.float16, DEV)
+    buffer.write(None, features, block, verified, accepted)
+    features_, accepted_, bonus_, rejected_, width_ = mine.tensors()
+    relay_write_torch(features_, accepted_, bonus_, rejected_, width_, features, block, verified, accepted)
+    assert all(torch.equal(a, b) for a, b in zip(buffer.tensors(), mine.tensors(), strict=True))
+
+
+# --- sample -------------------------------------------------------------------------------
+
+
+def decision_margin(logits, temperature, top_k, top_p, u) -> torch.Tensor:
+    """[b, n]: how far the reference's decisions (the top-p cut, the CDF step picked) lie from
+    flipping, relative to the mass; kernel and reference may round sums differently below it."""
+    t = temperature.clamp(min=1e-6)[:, None, None]
+    probs = torch.sort(torch.softmax(logits.float() / t, dim=-1), dim=-1, descending=True)[0].double()
+    rank = torch.arange(logits.shape[-1], device=logits.device)
+    probs = probs * (rank < torch.where(top_k > 0, top_k, logits.shape[-1])[:, None, None])
+    probs = probs / probs.sum(-1, keepdim=True)
+    before = probs.cumsum(-1) - probs
+    cut = (before - top_p[:, None, None].double()).abs().amin(-1)
+    cdf = (probs * ((before < top_p[:, None, None]) | (rank == 0))).cumsum(-1)
+    step = (cdf - u[..., None] * cdf[..., -1:]).abs().amin(-1) / cdf[..., -1]
+    margin = torch.minimum(cut, step)
+    return torch.where(temperature[:, None] > 0, margin, torch.inf)
+
+
+@examples(30)
+@given(st.integers(1, 3), st.integers(1, 4), st.sampled_from([2, 7, 100, 1000, 5000]), st.integers(0, 2**16),
+       st.lists(st.tuples(st.sampled_from([0.0, 0.3, 1.0, 2.0]), st.sampled_from([0, 1, 3, 10_000]),
+                          st.sampled_from([1.0, 0.9, 0.5, 0.0])), min_size=3, max_size=3),
+       st.sampled_from(FLOATS))
+def test_sample_matches_reference(b, n, V, seed, rows, dtype):
+    g = generator(seed)
+    logits = (torch.randn(b, n, V, generator=g, device=DEV) * 4).to(dtype)
+    temperature, top_k, top_p = (torch.tensor([r[i] for r in rows[:b]], device=DEV) for i in range(3))
+    temperature, top_p = temperature.float(), top_p.float()
+    u = uniform(torch.arange(b, device=DEV) + seed, torch.arange(n, device=DEV).expand(b, n))
+    ref, got = sample_torch(logits, temperature, top_k, top_p, u), sample_triton(logits, temperature, top_k, top_p, u)
+    safe = decision_margin(logits, temperature, top_k, top_p, u) > 1e-5
+    assert safe.float().mean() > 0.5, "the inputs should rarely sit on a decision boundary"
+    assert torch.equal(ref[safe], got[safe])
+
+
+# --- rmsnorm ------------------------------------------------------------------------------
+
+
+@examples(30)
+@given(st.lists(st.integers(1, 5), min_size=1, max_size=3), st.sampled_from([8, 40, 64, 100]),
+       st.sampled_from(FLOATS), st.booleans(), st.integers(0, 2**16))
+def test_rmsnorm_matches_reference(lead, D, dtype, with_residual, seed):
+    g = generator(seed)
+    x = (torch.randn(*lead, D, generator=g, device=DEV) * 3).to(dtype)
+    weight = (torch.rand(D, generator=g, device=DEV) + 0.5).to(dtype)
+    residual = torch.randn(*lead, D, generator=g, device=DEV).to(dtype) if with_residual else None
+    ref, got = rmsnorm_torch(x, weight, 1e-6, residual), rmsnorm_triton(x, weight, 1e-6, residual)
+    if with_residual:
+        assert torch.equal(ref[1], got[1])  # the new residual: one rounding of x + residual either way
+        ref, got = ref[0], got[0]
+    assert got.dtype == ref.dtype
+    close(got, ref, dtype)
+
+
+def test_rmsnorm_reference_is_the_model_norm():
+    norm = RMSNorm(40, 1e-6).to(DEV)
+    torch.nn.init.uniform_(norm.weight, 0.5, 1.5)
+    x = torch.randn(3, 5, 40, device=DEV)
+    with torch.no_grad():
+        assert torch.equal(norm(x), rmsnorm_torch(x, norm.weight, 1e-6))
+
+
+# --- attention ----------------------------------------------------------------------------
+
+
+@examples(40)
+@given(st.integers(1, 3), st.integers(1, 3), st.sampled_from([1, 2, 4]), st.sampled_from([1, 2, 4, 16]),
+       st.sampled_from([8, 16, 64]), st.integers(0, 70), st.data(), st.booleans(), st.sampled_from(FLOATS))
+def test_attention_matches_reference(b, kv_heads, group, B, d, extra, data, causal, dtype):
+    L = B + extra
+    edge = st.sampled_from([0, 1, L - B])  # no context, one key, the block ending at the cache's end
+    starts = data.draw(st.lists(st.one_of(edge, st.integers(0, L - B)), min_size=b, max_size=b))
+    g = generator(data.draw(st.integers(0, 2**16)))
+    q = torch.randn(b, kv_heads * group, B, d, generator=g, device=DEV).to(dtype)
+    # Cache views as the Runtime's: one spare position per row, so the length axis is strided.
+    k, v = (torch.randn(b, kv_heads, L + 1, d, generator=g, device=DEV).to(dtype)[:, :, :L] for _ in "kv")
+    start = torch.tensor(starts, device=DEV)
+    close(attention_triton(q, k, v, start, causal), attention_torch(q, k, v, start, causal), dtype)
+
+
+# --- graph safety, selection, FlashInfer planning -------------------------------------------
+
+
+def test_kernels_trace_whole_under_torch_compile():
+    """Custom ops with fake implementations: a compiled region holds them without a graph break."""
+    g = generator(1)
+    q, k, v = (torch.randn(2, 4, 4, 16, generator=g, device=DEV) for _ in "qkv")
+    logits, start = torch.randn(2, 4, 50, generator=g, device=DEV), torch.tensor([0, 0], device=DEV)
+    block, tokens = torch.zeros(2, 4, dtype=torch.long, device=DEV), torch.zeros(2, dtype=torch.long, device=DEV)
+    params = (torch.tensor([1.0, 0.0], device=DEV), torch.zeros(2, dtype=torch.long, device=DEV),
+              torch.ones(2, device=DEV), torch.full((2, 4), 0.5, dtype=torch.float64, device=DEV))
+
+    def step(tokens, start):
+        h = rmsnorm_triton(attention_triton(q, k, v, start, True), torch.ones(16, device=DEV), 1e-6)
+        verified = sample_triton(logits + h.sum(), *params)
+        commit_triton(block, verified, None, tokens, start, start.clone(), start > 0, start >= 0,
+                      torch.zeros(2, 6, dtype=torch.long, device=DEV))
+        return verified
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    t2, s2 = tokens.clone(), start.clone()
+    assert torch.equal(compiled(tokens, start), step(t2, s2)) and torch.equal(tokens, t2) and torch.equal(start, s2)
+
+
+def test_backend_resolution(monkeypatch):
+    assert select("auto", "cpu").backends == dict.fromkeys(backend.OPS, "torch")
+    assert select({"attention": "triton"}, DEV).backends["attention"] == "triton"
+    for op, requested, device in [("commit", "flashinfer", "cuda"), ("attention", "flashinfer", "cpu"),
+                                  ("attention", "cudnn", "cpu"), ("softmax", "torch", "cpu")]:
+        with pytest.raises(InputError):
+            resolve(op, requested, device)
+    with pytest.raises(InputError):
+        select({"attn": "torch"})
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(InputError, match="CUDA"):
+        resolve("commit", "triton", "cpu")
+    present = {"triton": True, "flashinfer": True}
+    monkeypatch.setattr(backend, "importable", lambda name: present[name])
+    assert [resolve(op, "auto", "cuda") for op in ("attention", "commit")] == ["flashinfer", "triton"]
+    present["flashinfer"] = False
+    assert resolve("attention", "auto", "cuda") == "triton"
+    with pytest.raises(InputError, match="import flashinfer"):
+        resolve("attention", "flashinfer", "cuda")
+    present["triton"] = False
+    assert resolve("attention", "auto", "cuda") == "torch"
+
+
+def test_import_without_triton():
+    code = ("import sys; sys.modules['triton'] = None; import dflow_rt, dflow_rt.kernels as k; "
+            "assert k.select('auto', 'cpu').backends['commit'] == 'torch'\n"
+            "try: k.select('triton', 'cpu')\nexcept dflow_rt.InputError as e: print(e)")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and "pip install" in run.stdout, run.stderr
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_flashinfer_plan_describes_the_reference_mask(causal):
+    """The paged layout (row = page of `length` keys) and FlashInfer's causal rule (query i sees
+    keys up to kv_len - qo_len + i) give exactly the masks the models build."""
+    starts, B, length = [0, 5, 12], 4, 16
+    qo, kv_indptr, kv_indices, last = plan_inputs(starts, B, length)
+    assert qo.tolist() == [0, 4, 8, 12] and kv_indices.tolist() == [0, 1, 2] and kv_indptr.tolist() == [0, 1, 2, 3]
+    kv_len = (kv_indptr[1:] - kv_indptr[:-1] - 1) * length + last
+    i, key = torch.arange(B)[None, :, None], torch.arange(length)[None, None, :]
+    planned = key < kv_len[:, None, None]
+    if causal:
+        planned = planned & (key <= (kv_len - B)[:, None, None] + i)
+    assert torch.equal(planned, block_mask(torch.tensor(starts), B, length, causal))
+    with pytest.raises(ValueError):
+        plan_inputs([13], B, length)
+    with pytest.raises(ValueError, match="head_dim"):
+        FlashInferAttention().configure(True, 4, 2, 16, torch.float16, B)
