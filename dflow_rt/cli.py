@@ -243,8 +243,10 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--device", default=None)
     b.add_argument("--json", default=None, metavar="OUT")
     b.set_defaults(run=cmd_bench)
+    from dflow_rt.models.fetch import add_fetch_parser
     from dflow_rt.train.cli import add_train_parser
 
+    add_fetch_parser(sub)
     add_train_parser(sub)
     return p
 

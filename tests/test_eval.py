@@ -84,7 +84,8 @@ def test_diagnostics_on_real_rounds(reference_pair):
 
 def test_cli_eval_tau_json(reference_pair, capsys, monkeypatch):
     target_dir, drafter_dir = FIXTURES / "target", FIXTURES / "drafter"
-    monkeypatch.setattr("dflow_rt.data.prompts.suite_texts", lambda suite, limit=None: ["a b c", "x y z w"][:limit])
+    monkeypatch.setattr("dflow_rt.data.prompts.suite_texts",
+                        lambda suite, limit=None, chat=None: ["a b c", "x y z w"][:limit])
     monkeypatch.setattr("dflow_rt.tokenizer.load_tokenizer", lambda path: FakeTokenizer())
     assert main(["eval-tau", "--target", str(target_dir), "--drafter", str(drafter_dir), "--suite", "math",
                  "--limit", "2", "--max-new-tokens", "24", "--json", "--diagnostics"]) == 0

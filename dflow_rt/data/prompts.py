@@ -12,6 +12,7 @@ splits):
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 from dflow_rt.data.corpus import heldout_chat_prompts, heldout_math_prompts, read_stdlib, stdlib_files
 from dflow_rt.data.synth import MATH_TRAIN_SEEDS, QUESTIONS, chat_prompt, doc_items, math_train_problems
@@ -21,6 +22,14 @@ SUITES = ("code", "math", "chat")
 KINDS = ("code", "math", "chat")
 KIND_CYCLE = (0, 1, 2, 0, 1, 2, 0, 2, 1, 0)  # 40 % code, 30 % math, 30 % chat
 
+
+def chat_text(tokenizer, question: str) -> str:
+    """`question` as a user turn in the target's own chat template (its default system prompt
+    included), or the project's template for a tokenizer without one."""
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                             tokenize=False)
+    return chat_prompt(question)
 
 
 def _code_snippet(r: random.Random, files: tuple[str, ...]) -> str:
@@ -43,10 +52,10 @@ def training_prompt(tokenizer, seed: int, index: int, max_prompt_tokens: int) ->
             text = _code_snippet(r, stdlib_files("train"))
         elif kind == 1:
             problems = math_train_problems(r.randrange(len(MATH_TRAIN_SEEDS)), 1)  # empty if held-out
-            text = chat_prompt(problems[0][0]) if problems else ""
+            text = chat_text(tokenizer, problems[0][0]) if problems else ""
         else:
             item = r.choice([it for it in doc_items() if not it.heldout])
-            text = chat_prompt(r.choice(QUESTIONS).format(k=item.key))
+            text = chat_text(tokenizer, r.choice(QUESTIONS).format(k=item.key))
         ids = tokenizer.encode(text, add_special_tokens=False)
         if len(ids) >= 8:  # too long: keep the end, next to where the target continues
             return kind, ids[-max_prompt_tokens:]
@@ -54,8 +63,8 @@ def training_prompt(tokenizer, seed: int, index: int, max_prompt_tokens: int) ->
 
 def heldout_prompts(tokenizer, n: int, max_prompt_tokens: int = 128) -> list[list[int]]:
     """`n` prompts from the held-out suites (chat, math in chat form, held-out stdlib files), for tau."""
-    chats = [chat_prompt(q) for q in heldout_chat_prompts()]
-    maths = [chat_prompt(q) for q in heldout_math_prompts(max(n, 1))]
+    chats = [chat_text(tokenizer, q) for q in heldout_chat_prompts()]
+    maths = [chat_text(tokenizer, q) for q in heldout_math_prompts(max(n, 1))]
     files = stdlib_files("heldout")
     codes = [_code_snippet(random.Random(f"heldout:{i}"), (files[i % len(files)],)) for i in range(n // 3 + 1)]
     texts = [t for trio in zip(codes, maths, chats, strict=False) for t in trio][:n]
@@ -68,20 +77,23 @@ def humaneval_prompts() -> list[str]:
     return [p["prompt"] for _, p in sorted(read_problems().items(), key=lambda kv: int(kv[0].split("/")[1]))]
 
 
-def suite_texts(suite: str, limit: int | None = None) -> list[str]:
-    """Prompt texts of `suite`, in a fixed order (so `--limit N` always takes the same N)."""
+def suite_texts(suite: str, limit: int | None = None, chat: Callable[[str], str] = chat_prompt) -> list[str]:
+    """Prompt texts of `suite`, in a fixed order (so `--limit N` always takes the same N); `chat`
+    wraps the math and chat questions as a user turn."""
     if suite == "code":
         texts = humaneval_prompts()
     elif suite == "math":
-        texts = [chat_prompt(q) for q in heldout_math_prompts(limit or 200)]
+        texts = [chat(q) for q in heldout_math_prompts(limit or 200)]
     elif suite == "chat":
-        texts = [chat_prompt(q) for q in heldout_chat_prompts()]
+        texts = [chat(q) for q in heldout_chat_prompts()]
     else:
         raise InputError(f"suite must be one of {', '.join(SUITES)} or all, got {suite!r}")
     return texts[:limit] if limit else texts
 
 
 def suite_prompts(tokenizer, suite: str, limit: int | None = None, max_prompt_tokens: int = 256) -> list[list[int]]:
-    """Token ids; a longer prompt keeps its end, where the continuation starts."""
-    return [tokenizer.encode(t, add_special_tokens=False)[-max_prompt_tokens:] for t in suite_texts(suite, limit)]
+    """Token ids, questions in the target's chat template; a longer prompt keeps its end, where the
+    continuation starts."""
+    texts = suite_texts(suite, limit, chat=lambda q: chat_text(tokenizer, q))
+    return [tokenizer.encode(t, add_special_tokens=False)[-max_prompt_tokens:] for t in texts]
 

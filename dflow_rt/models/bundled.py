@@ -11,8 +11,19 @@ BUNDLED_DRAFTERS = ("dflash", "dflow")
 
 
 def target_dir(spec: str | None) -> Path:
-    """`spec` as a directory, or the bundled target when None."""
-    return Path(spec) if spec else ASSETS / "target"
+    """The bundled target when None; a fetched model's cache directory for a name `dflow-rt fetch-model`
+    knows (e.g. 'smollm2'); otherwise `spec` as a directory."""
+    from dflow_rt.models.fetch import REGISTRY, manifest, model_dir
+
+    if not spec:
+        return ASSETS / "target"
+    if spec in REGISTRY:
+        path = model_dir(spec)
+        if manifest(path) is None:
+            raise InputError(f"the {spec} target is not in {path.parent}: run `dflow-rt fetch-model {spec}` "
+                             f"first (or pass its directory to --target)")
+        return path
+    return Path(spec)
 
 
 def drafter_dir(spec: str | None) -> Path | None:

@@ -85,12 +85,13 @@ def _target_parser(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_regen(args: argparse.Namespace) -> None:
+    from dflow_rt.models.bundled import target_dir
     from dflow_rt.train.regen import regenerate
 
     t0 = time.perf_counter()
-    out = regenerate(args.target, args.out, prompts=args.prompts, max_new_tokens=args.max_new_tokens, seed=args.seed,
-                     batch=args.batch, max_prompt_tokens=args.max_prompt_tokens, stop_tail=args.stop_tail,
-                     threads=args.threads, device=args.device, first_prompt=args.first_prompt)
+    out = regenerate(target_dir(args.target), args.out, prompts=args.prompts, max_new_tokens=args.max_new_tokens,
+                     seed=args.seed, batch=args.batch, max_prompt_tokens=args.max_prompt_tokens,
+                     stop_tail=args.stop_tail, threads=args.threads, device=args.device, first_prompt=args.first_prompt)
     print(f"wrote {out}: {args.prompts} sequences ({time.perf_counter() - t0:.0f} s)")
 
 
@@ -111,6 +112,7 @@ def _regen_parser(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_drafter(args: argparse.Namespace) -> None:
+    from dflow_rt.models.bundled import target_dir
     from dflow_rt.train.drafter import DFLASH_DEFAULTS, DFLOW_DEFAULTS, train_drafter
 
     names = DFLOW_DEFAULTS if args.train_command == "dflow" else DFLASH_DEFAULTS
@@ -119,9 +121,9 @@ def cmd_drafter(args: argparse.Namespace) -> None:
         given["target_layers"] = [int(i) for i in given["target_layers"].split(",")]
     if given["gamma"] not in (None, "auto"):
         given["gamma"] = float(given["gamma"])
-    result = train_drafter(args.train_command, args.target, args.data, args.out, batch=args.batch, resume=args.resume,
-                           threads=args.threads, checkpoint_every=args.checkpoint_every, log_every=args.log_every,
-                           run_steps=args.run_steps, eval_prompts=args.eval_prompts,
+    result = train_drafter(args.train_command, target_dir(args.target), args.data, args.out, batch=args.batch,
+                           resume=args.resume, threads=args.threads, checkpoint_every=args.checkpoint_every,
+                           log_every=args.log_every, run_steps=args.run_steps, eval_prompts=args.eval_prompts,
                            eval_max_new_tokens=args.eval_max_new_tokens, device=args.device, **given)
     if result["finished"]:
         print(f"wrote {args.out} after {result['step']} steps")
