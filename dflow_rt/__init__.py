@@ -1,7 +1,7 @@
 """dflow-rt: block-diffusion speculative decoding (DFlash drafting, DFlow relays)."""
 
 from dflow_rt.config import RuntimeConfig
-from dflow_rt.errors import CheckpointError, DflowError, InputError
+from dflow_rt.errors import BusyError, CheckpointError, DflowError, InputError, RequestError
 from dflow_rt.models.checkpoint import load_drafter, load_target, save_model
 from dflow_rt.models.drafter import Drafter, DrafterConfig
 from dflow_rt.models.target import Target, TargetConfig
@@ -9,6 +9,7 @@ from dflow_rt.reference import GenerateOutput, generate
 from dflow_rt.runtime import Runtime
 
 __all__ = [
-    "CheckpointError", "DflowError", "Drafter", "DrafterConfig", "GenerateOutput", "InputError", "Runtime",
-    "RuntimeConfig", "Target", "TargetConfig", "generate", "load_drafter", "load_target", "save_model",
+    "BusyError", "CheckpointError", "DflowError", "Drafter", "DrafterConfig", "GenerateOutput", "InputError",
+    "RequestError", "Runtime", "RuntimeConfig", "Target", "TargetConfig", "generate", "load_drafter", "load_target",
+    "save_model",
 ]

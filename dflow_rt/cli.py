@@ -7,7 +7,7 @@ import json
 import sys
 
 from dflow_rt.config import BACKENDS
-from dflow_rt.errors import DflowError
+from dflow_rt.errors import DflowError, RequestError
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
@@ -41,6 +41,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
         rt.step()
     t3 = time.perf_counter()
     req = rt.pop(rid)
+    if req.error is not None:
+        raise RequestError(rid, req.error)
     text = tokenizer.decode(req.emitted, skip_special_tokens=True)
     decode_s = t3 - t2
     stats = {"tau": round(sum(req.acceptance) / max(len(req.acceptance), 1), 4),
@@ -57,43 +59,11 @@ def cmd_generate(args: argparse.Namespace) -> None:
               file=sys.stderr if args.quiet_stats else sys.stdout)
 
 
-SMALL_TARGET = 50_000_000
-
-
-def set_threads(threads: int | None, target) -> None:
-    """`--threads`, or by default 1 for a small target on CPU: its ops are too small to gain
-    from splitting, and with a second thread every op waits for the slower core (decoding the
-    bundled model drops from ~60 to ~2 tokens/s when another job holds one of two cores)."""
-    import torch
-
-    if threads is not None and threads < 1:
-        raise DflowError(f"--threads must be at least 1, got {threads}")
-    if threads:
-        torch.set_num_threads(threads)
-    elif target.lm_head.weight.device.type == "cpu" and sum(p.numel() for p in target.parameters()) < SMALL_TARGET:
-        torch.set_num_threads(1)
-
-
 def _load_models(args: argparse.Namespace, need_tokenizer: bool = True):
-    """(target, drafter or None, tokenizer) from --target/--drafter/--device/--threads: the one place
-    every command loads models. No --target means the bundled target. Without `need_tokenizer`, a
-    directory with no tokenizer (random benchmark models) gives None for the tokenizer."""
-    import torch
+    """`load_models` from --target/--drafter/--device/--threads: how every command loads models."""
+    from dflow_rt.models.bundled import load_models
 
-    from dflow_rt.models.bundled import drafter_dir, target_dir
-    from dflow_rt.models.checkpoint import load_drafter, load_target
-    from dflow_rt.tokenizer import load_tokenizer
-
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise DflowError(f"--device {device}: CUDA is not available on this machine")
-    path = target_dir(args.target)
-    target = load_target(path, device=device)
-    set_threads(args.threads, target)
-    spec = None if args.drafter in (None, "none") else drafter_dir(args.drafter)
-    drafter = load_drafter(spec, target) if spec else None
-    has_tokenizer = need_tokenizer or (path / "tokenizer.json").exists()
-    return target, drafter, load_tokenizer(path) if has_tokenizer else None
+    return load_models(args.target, args.drafter, args.device, args.threads, need_tokenizer)
 
 
 def cmd_eval_tau(args: argparse.Namespace) -> None:
@@ -243,10 +213,12 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--device", default=None)
     b.add_argument("--json", default=None, metavar="OUT")
     b.set_defaults(run=cmd_bench)
+    from dflow_rt.bench.soak import add_soak_parser
     from dflow_rt.models.fetch import add_fetch_parser
     from dflow_rt.train.cli import add_train_parser
 
     add_fetch_parser(sub)
+    add_soak_parser(sub)
     add_train_parser(sub)
     return p
 

@@ -26,6 +26,15 @@ class RuntimeConfig:
     requests need, not max_len. Default: every multiple of 64 from 128 up to max_len, or
     powers of two from 128 for `cudagraph`, where each bucket is a captured graph (the
     compiled round traces the length as a symbol, so there many buckets cost nothing).
+    kernels: the fused ops of the round (`dflow_rt.kernels`: attention, sample, commit; rmsnorm is
+    not wired yet): "auto" (FlashInfer attention and Triton on CUDA where they import, plain
+    torch elsewhere), "torch", "triton", or a dict op -> backend; resolved once at construction.
+    emit_mask_token: by default the target never chooses the drafter's mask token (it is no text,
+    and a block would read it as a hole); True lets it, as the public DFlash implementation does,
+    which matters only where the mask token is an ordinary vocabulary entry (tiny test models).
+    memory_limit: construction refuses a state (KV caches, relay buffer, rotary tables) larger
+    than this many bytes, before allocating anything; by default, larger than the free memory
+    of the models' device (`dflow_rt.limits`, which also checks every field's type and range).
     """
 
     max_batch: int = 8
@@ -36,6 +45,9 @@ class RuntimeConfig:
     length_buckets: tuple[int, ...] | None = None
     compile_backend: str = "inductor"  # torch.compile backend; tests use "aot_eager" to check tracing fast
     verify_width: int | dict[int, int] | None = None
+    emit_mask_token: bool = False
+    memory_limit: int | None = None  # bytes the preallocated state may take; None = the device's free memory
+    kernels: str | dict[str, str] = "auto"
 
     def widths(self, block_size: int) -> dict[int, int]:
         """Verify width k per batch bucket: the drafter drafts all B slots, the target checks the first

@@ -17,7 +17,7 @@ from dflow_rt.models.drafter import Drafter, relay_off
 from dflow_rt.models.layers import reserve_positions
 from dflow_rt.models.target import Target
 from dflow_rt.requests import check_fits, check_int, cut_at_stop, prompt_tensor, stop_set
-from dflow_rt.sampling import accept
+from dflow_rt.sampling import accept, screen
 
 
 @dataclass
@@ -52,13 +52,17 @@ class GenerateOutput:
 def generate(target: Target, drafter: Drafter | None, prompt_ids: Sequence[int] | torch.Tensor,
              max_new_tokens: int = 64, block_size: int | None = None,
              stop_token_ids: Sequence[int] | None = None, max_len: int | None = None,
-             verify_width: int | None = None, trace: list[RoundTrace] | None = None) -> GenerateOutput:
+             verify_width: int | None = None, emit_mask_token: bool = False,
+             trace: list[RoundTrace] | None = None) -> GenerateOutput:
     """Greedy speculative decoding; `drafter=None` or `block_size=1` decodes autoregressively.
 
     Emits exactly the target's own greedy continuation: `max_new_tokens` tokens, or up to
-    and including the first stop token. `verify_width` k: the drafter drafts its whole block,
-    the target verifies only its first k positions (default all). A `trace` list receives
-    every round (for a DFlow drafter also what it would have drafted with its relay off).
+    and including the first stop token; with a drafter, the target never chooses its mask token
+    (the Runtime's rule: a mask token is no text, and the drafter's block would read it as a hole),
+    unless `emit_mask_token`, as in the public DFlash implementation.
+    `verify_width` k: the drafter drafts its whole block, the target verifies only its first k
+    positions (default all). A `trace` list receives every round (for a DFlow drafter also what
+    it would have drafted with its relay off).
     """
     device, vocab = target.lm_head.weight.device, target.config.vocab_size
     prompt = prompt_tensor(prompt_ids, vocab, device)
@@ -77,9 +81,11 @@ def generate(target: Target, drafter: Drafter | None, prompt_ids: Sequence[int] 
     draft_cache = drafter.new_cache(1, length) if B > 1 else None
     relay = drafter.new_relay_buffer(1, B) if B > 1 else None
     arange = torch.arange(length, device=device)[None]
+    mask = None if drafter is None or emit_mask_token else drafter.config.mask_token_id
 
     t0 = time.perf_counter()
     logits, ctx_feat = target(prompt, arange[:, :P], target_cache, rows, layer_ids=layer_ids, logits_from=P - 1)
+    screen(logits, mask)
     out = [int(logits[0, -1].argmax())]
     ctx_pos, start = arange[:, :P], P
     t1 = time.perf_counter()
@@ -93,6 +99,7 @@ def generate(target: Target, drafter: Drafter | None, prompt_ids: Sequence[int] 
                                              ctx_pos=ctx_pos, rows=rows, relay=relay)
         checked = block[:, :k]
         logits, feat = target(checked, block_pos[:, :k], target_cache, rows, layer_ids=layer_ids)
+        screen(logits, mask)
         verified = logits.argmax(-1)
         a_t = accept(checked, verified)
         a = int(a_t[0])

@@ -9,20 +9,26 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import itertools
 import random
+import threading
 from collections import deque
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 
-from dflow_rt.config import BACKENDS, RuntimeConfig
-from dflow_rt.errors import InputError
+from dflow_rt.config import RuntimeConfig
+from dflow_rt.errors import BusyError, InputError, RequestError
 from dflow_rt.graphs.runner import build_rounds
 from dflow_rt.graphs.state import DecodeState
-from dflow_rt.models.layers import reserve_positions
+from dflow_rt.kernels import select_for
+from dflow_rt.limits import check_config, check_memory, rotary_growth
 from dflow_rt.requests import check_fits, check_int, check_sampling, cut_at_stop, prompt_tensor, stop_set
-from dflow_rt.sampling import sample
+from dflow_rt.sampling import sample, screen
+
+FAULT = "its logits became NaN or infinite (a numerical fault in its row, which was cleaned; other requests go on)"
 
 
 @dataclass
@@ -40,13 +46,13 @@ class Request:
     emitted: list[int] = field(default_factory=list)
     acceptance: list[int] = field(default_factory=list)  # tokens per round (accepted drafts + bonus)
     finished: bool = False
+    error: str | None = None  # why the request failed, if it did (it is also finished)
+    delivered: int = 0  # tokens of `emitted` that `stream` has yielded: the rest wait here for it
 
 
 class Runtime:
     def __init__(self, target, drafter=None, config: RuntimeConfig | None = None):
-        self.config = c = config or RuntimeConfig()
-        if c.backend not in BACKENDS:
-            raise InputError(f"backend must be one of {', '.join(BACKENDS)}, got {c.backend!r}")
+        self.config = c = check_config(RuntimeConfig() if config is None else config)
         if c.backend == "cudagraph" and target.lm_head.weight.device.type != "cuda":
             raise InputError("backend 'cudagraph' needs the models on a CUDA device")
         self.target, self.drafter = target, drafter
@@ -59,17 +65,23 @@ class Runtime:
         if min(self.lengths) <= self.block_size or max(self.lengths) > c.max_len:
             raise InputError(f"length_buckets must lie in {self.block_size + 1}..max_len ({c.max_len}), "
                              f"got {self.lengths}")
-        reserve_positions(c.max_len, target, drafter)
-        self.state = DecodeState.allocate(target, drafter, c.max_batch, c.max_len, self.block_size)
-        mask_id = drafter.config.mask_token_id if drafter is not None else 0
-        with torch.inference_mode():
-            self.rounds = build_rounds(target, drafter, self.state, self.buckets, self.lengths, c.backend, mask_id,
-                                       self.layer_ids, c.compile_backend, self.widths)
-        self.waiting: deque[Request] = deque()
+        check_memory(c, target, drafter, self.block_size)
+        self.kernels = select_for(c.kernels, target, drafter)
+        plan = self._plan_attention if hasattr(self.kernels.attention, "plan") else None  # FlashInfer
+        self.mask_id = drafter.config.mask_token_id if drafter is not None else None
+        self.excluded = None if c.emit_mask_token else self.mask_id  # the token the target never chooses
         self.rows: list[Request | None] = [None] * c.max_batch
+        with rotary_growth(c.max_len, target, drafter):  # undone if construction fails
+            self.state = DecodeState.allocate(target, drafter, c.max_batch, c.max_len, self.block_size)
+            with torch.inference_mode():
+                self.rounds = build_rounds(target, drafter, self.state, self.buckets, self.lengths, c.backend,
+                                           self.mask_id or 0, self.layer_ids, c.compile_backend, self.widths,
+                                           self.kernels, plan, c.emit_mask_token)
+        self.waiting: deque[Request] = deque()
         self.free_rows = list(range(c.max_batch))  # a heap: lowest rows first keeps buckets small
         self.requests: dict[int, Request] = {}
-        self._next_rid = 0
+        self._rids = itertools.count()  # next() is atomic: add_request may run beside a step()
+        self._stepping = threading.Lock()
 
     def add_request(self, prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int = 256,
                     temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
@@ -84,7 +96,7 @@ class Runtime:
         check_fits(prompt.numel(), max_new_tokens, self.block_size, self.config.max_len)
         sampling = check_sampling(temperature, top_k, top_p, seed, vocab)
         stops = stop_set(stop_token_ids, vocab)
-        rid, self._next_rid = self._next_rid, self._next_rid + 1
+        rid = next(self._rids)
         seed = random.getrandbits(62) if sampling.seed is None else sampling.seed
         self.requests[rid] = req = Request(rid, prompt, max_new_tokens, stops, sampling.temperature, sampling.top_k,
                                            sampling.top_p, seed)
@@ -100,22 +112,51 @@ class Runtime:
         Records stay until popped, so a long-running caller of `step()` pops each request it
         has seen finish; `stream` and `generate` pop their own.
         """
-        if not self._request(rid).finished:
-            raise InputError(f"request {rid} is still running: cancel it or step until it finishes")
-        return self.requests.pop(rid)
+        with self._exclusive("pop"):
+            if not self._request(rid).finished:
+                raise InputError(f"request {rid} is still running: cancel it or step until it finishes")
+            return self.requests.pop(rid)
 
     def cancel(self, rid: int) -> None:
         """Stop a request (waiting or running) now; a finished one is left as it is."""
-        req = self._request(rid)
-        if req.finished:
-            return
-        if req in self.waiting:
-            self.waiting.remove(req)
-        self._finish(req)
+        with self._exclusive("cancel"):
+            req = self._request(rid)
+            if req.finished:
+                return
+            if req in self.waiting:
+                self.waiting.remove(req)
+            self._finish(req)
 
-    @torch.inference_mode()
     def step(self) -> dict[int, list[int]]:
-        """One round for every live request: {rid: tokens emitted by this round}."""
+        """One round for every live request: {rid: tokens emitted by this round}.
+
+        A request whose row produced a NaN or infinite logit gets no tokens from the round and
+        ends with `Request.error` set; its row is cleaned, and every other row is untouched.
+        One caller at a time: a step() (or cancel/pop) while a step() of this Runtime runs, from
+        another thread or re-entrantly from code the round calls, raises BusyError at once (a
+        non-blocking lock: nobody waits, and nobody changes the rows under a running round).
+        """
+        with self._exclusive("step"), torch.inference_mode():
+            return self._step()
+
+    @contextmanager
+    def _exclusive(self, what: str) -> Iterator[None]:
+        if not self._stepping.acquire(blocking=False):
+            raise BusyError(f"{what}() while a step() of this Runtime is running (another thread, or re-entrant): "
+                            f"a Runtime serves one caller at a time")
+        try:
+            yield
+        finally:
+            self._stepping.release()
+
+    def _plan_attention(self, rows: int, length: int) -> None:
+        """FlashInfer's host-side plan before a round of bucket (rows, length): each row starts at
+        its request's position (the device's `start`, known here without a read), padding at 0."""
+        starts = [0 if r is None else r.position for r in self.rows[:rows]]
+        blocks = {True: self.widths[rows], False: self.block_size}  # queries per row: verify, draft
+        self.kernels.attention.plan(rows, length, starts, blocks, self.state.tokens.device)
+
+    def _step(self) -> dict[int, list[int]]:
         self._admit()
         live = [r for r in self.rows if r is not None]
         if not live:
@@ -123,9 +164,16 @@ class Runtime:
         n = self.buckets[bisect.bisect_left(self.buckets, max(r.row for r in live) + 1)]
         length = self.lengths[bisect.bisect_left(self.lengths, max(r.position for r in live) + self.block_size)]
         self.rounds[n, length]()
-        out = self.state.out[:n].tolist()  # the one host read of the round
+        out = self.state.out[:n].tolist()  # the one host read of the round; the last column flags faults
+        for row, values in enumerate(out):
+            if values[-1] and self.rows[row] is None:  # padding that went non-finite: clean before reuse
+                self.state.clean(row)
         result = {}
         for req in live:
+            if out[req.row][-1]:
+                result[req.rid] = []
+                self._fail(req, FAULT)
+                continue
             count = out[req.row][0]
             req.acceptance.append(count - (0 if req.emitted else 1))  # the first round also reports prefill's token
             req.position += req.acceptance[-1]
@@ -138,22 +186,52 @@ class Runtime:
         return result
 
     def stream(self, prompt_ids, **kwargs) -> Iterator[list[int]]:
-        """Tokens of one request as each round produces them (other requests keep stepping)."""
+        """Tokens of one request as rounds produce them, every one of them: a round that another
+        caller's step() ran (another stream, say) leaves this request's tokens in its record until
+        this stream yields them. A failed request raises RequestError after its good tokens."""
         rid = self.add_request(prompt_ids, **kwargs)
         try:
-            while not self.is_finished(rid):
-                tokens = self.step().get(rid)
-                if tokens:
+            while True:
+                req = self._request(rid)
+                if req.delivered < len(req.emitted):
+                    tokens, req.delivered = req.emitted[req.delivered:], len(req.emitted)
                     yield tokens
+                elif req.finished:
+                    break
+                else:
+                    self.step()
+            if req.error is not None:
+                raise RequestError(rid, req.error)
         finally:  # also when the consumer stops early
-            self.cancel(rid)
-            self.pop(rid)
+            self._drop([rid])
 
     def generate(self, prompts: Sequence[Sequence[int]], **kwargs) -> list[list[int]]:
-        rids = [self.add_request(p, **kwargs) for p in prompts]
-        while not all(self.is_finished(r) for r in rids):
-            self.step()
-        return [self.pop(r).emitted for r in rids]
+        """The new tokens of every prompt. A bad prompt raises InputError and a failed request
+        RequestError; either way none of this call's requests is left in the Runtime."""
+        rids: list[int] = []
+        try:
+            for p in prompts:
+                rids.append(self.add_request(p, **kwargs))
+            while not all(self.is_finished(r) for r in rids):
+                self.step()
+            failed = next((self.requests[r] for r in rids if self.requests[r].error is not None), None)
+            if failed is not None:
+                raise RequestError(failed.rid, failed.error)
+            return [self.requests[r].emitted for r in rids]
+        finally:
+            self._drop(rids)
+
+    def _drop(self, rids: list[int]) -> None:
+        """Cancel and forget the requests of a `stream` or `generate` call that is ending."""
+        for rid in rids:
+            if rid in self.requests:
+                self.cancel(rid)
+                self.pop(rid)
+
+    def _fail(self, req: Request, problem: str) -> None:
+        req.error, row = problem, req.row
+        self._finish(req)
+        self.state.clean(row)
 
     def _request(self, rid: int) -> Request:
         if rid not in self.requests:
@@ -199,6 +277,7 @@ class Runtime:
         ids = torch.stack([r.prompt for r in group])
         logits, features = self.target(ids, pos, s.target_cache, rows, layer_ids=self.layer_ids,
                                        logits_from=P - 1)
+        s.faulted[rows] = screen(logits, self.excluded)  # reported with the next round's tokens
         if self.drafter is not None:
             self.drafter.write_context(features, pos, s.draft_cache, rows)
             s.relay.clear(rows)

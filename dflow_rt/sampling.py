@@ -62,6 +62,21 @@ def sample_from_uniform(logits: torch.Tensor, temperature: torch.Tensor, top_k: 
     return torch.where(temperature[:, None] > 0, sampled, greedy)
 
 
+def screen(logits: torch.Tensor, exclude: int | None = None) -> torch.Tensor:
+    """Rows [batch] of `logits` [batch, n, vocab] that hold a NaN or +inf, or a position without a
+    finite logit; then, in place, token `exclude` (the drafter's mask token) gets logit -inf so that
+    no choice can be it.
+
+    A -inf logit is a well-defined "never" (the exclusion writes one), so only a position's
+    maximum is checked: max propagates NaN. The flag is computed on the device and travels with
+    the tokens the host reads anyway, so a faulty row costs no extra host read.
+    """
+    bad = ~torch.isfinite(logits.amax(-1)).all(-1)
+    if exclude is not None:
+        logits[..., exclude] = float("-inf")
+    return bad
+
+
 def accept(block: torch.Tensor, verified: torch.Tensor) -> torch.Tensor:
     """Drafts accepted [batch]: the number of leading slots j >= 1 with block[j] == verified[j-1]."""
     return (block[:, 1:] == verified[:, :-1]).long().cumprod(-1).sum(-1)

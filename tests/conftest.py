@@ -8,6 +8,8 @@ from hypothesis import settings
 # Deterministic property tests: CI explores the same examples every run.
 settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True)
 settings.register_profile("dev", deadline=None)
+# On a GPU machine (HYPOTHESIS_PROFILE=gpu): the kernel tests run compiled, so explore far more.
+settings.register_profile("gpu", derandomize=True, deadline=None, print_blob=True, max_examples=500)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 # Tiny models are dispatch-bound: one thread avoids oversubscribing the two CI cores.
 torch.set_num_threads(1)

@@ -53,11 +53,15 @@ def tiny_drafter(target: dflow_rt.Target, seed: int, layers: int = 1, block_size
 
 
 @torch.no_grad()
-def hf_greedy(hf, prompt: list[int], max_new_tokens: int, stop_token_ids=()) -> list[int]:
-    """Plain autoregressive greedy decoding, recomputing the whole sequence each step."""
+def hf_greedy(hf, prompt: list[int], max_new_tokens: int, stop_token_ids=(), suppress: int | None = None) -> list[int]:
+    """Plain autoregressive greedy decoding, recomputing the whole sequence each step; `suppress`
+    is a token never chosen (a drafter's mask token, which speculative decoding never emits)."""
     ids, out = list(prompt), []
     while len(out) < max_new_tokens:
-        tok = int(hf(torch.tensor([ids])).logits[0, -1].argmax())
+        logits = hf(torch.tensor([ids])).logits[0, -1]
+        if suppress is not None:
+            logits[suppress] = float("-inf")
+        tok = int(logits.argmax())
         out.append(tok)
         ids.append(tok)
         if tok in stop_token_ids:

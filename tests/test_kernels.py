@@ -5,15 +5,17 @@ kernel is first launched); with CUDA they run compiled, bf16 included. Integer o
 match exactly, floating ones within TOL of their dtype.
 """
 
+import json
 import os
 import subprocess
 import sys
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from dflow_rt import Runtime, RuntimeConfig
 from dflow_rt.errors import InputError
 from dflow_rt.kernels import backend, resolve, select
 from dflow_rt.kernels.attention import attention_torch, attention_triton, block_mask
@@ -24,6 +26,7 @@ from dflow_rt.kernels.sample import sample_torch, sample_triton
 from dflow_rt.models.layers import RMSNorm
 from dflow_rt.models.relay import RelayBuffer
 from dflow_rt.sampling import uniform
+from tests.conftest import FIXTURES, load_pair
 
 CUDA = torch.cuda.is_available()
 if not CUDA:  # read when a kernel is first launched (kernels are decorated then), not at import
@@ -81,7 +84,7 @@ def rounds(draw):
     return block, verified, features if relay is not None else None, state
 
 
-@examples(40)
+@examples(80)
 @given(rounds())
 def test_commit_matches_reference(case):
     block, verified, features, state = case
@@ -116,14 +119,15 @@ def decision_margin(logits, temperature, top_k, top_p, u) -> torch.Tensor:
     probs = probs * (rank < torch.where(top_k > 0, top_k, logits.shape[-1])[:, None, None])
     probs = probs / probs.sum(-1, keepdim=True)
     before = probs.cumsum(-1) - probs
-    cut = (before - top_p[:, None, None].double()).abs().amin(-1)
+    # Where a token's inclusion could flip; tokens lighter than the margin hardly move the CDF.
+    cut = torch.where(probs > 1e-5, (before - top_p[:, None, None].double()).abs(), torch.inf).amin(-1)
     cdf = (probs * ((before < top_p[:, None, None]) | (rank == 0))).cumsum(-1)
     step = (cdf - u[..., None] * cdf[..., -1:]).abs().amin(-1) / cdf[..., -1]
     margin = torch.minimum(cut, step)
     return torch.where(temperature[:, None] > 0, margin, torch.inf)
 
 
-@examples(30)
+@examples(60)
 @given(st.integers(1, 3), st.integers(1, 4), st.sampled_from([2, 7, 100, 1000, 5000]), st.integers(0, 2**16),
        st.lists(st.tuples(st.sampled_from([0.0, 0.3, 1.0, 2.0]), st.sampled_from([0, 1, 3, 10_000]),
                           st.sampled_from([1.0, 0.9, 0.5, 0.0])), min_size=3, max_size=3),
@@ -135,15 +139,15 @@ def test_sample_matches_reference(b, n, V, seed, rows, dtype):
     temperature, top_p = temperature.float(), top_p.float()
     u = uniform(torch.arange(b, device=DEV) + seed, torch.arange(n, device=DEV).expand(b, n))
     ref, got = sample_torch(logits, temperature, top_k, top_p, u), sample_triton(logits, temperature, top_k, top_p, u)
-    safe = decision_margin(logits, temperature, top_k, top_p, u) > 1e-5
-    assert safe.float().mean() > 0.5, "the inputs should rarely sit on a decision boundary"
+    safe = decision_margin(logits, temperature, top_k, top_p, u) > 1e-5  # about 3 positions in 4
+    assume(safe.any())
     assert torch.equal(ref[safe], got[safe])
 
 
 # --- rmsnorm ------------------------------------------------------------------------------
 
 
-@examples(30)
+@examples(40)
 @given(st.lists(st.integers(1, 5), min_size=1, max_size=3), st.sampled_from([8, 40, 64, 100]),
        st.sampled_from(FLOATS), st.booleans(), st.integers(0, 2**16))
 def test_rmsnorm_matches_reference(lead, D, dtype, with_residual, seed):
@@ -157,6 +161,9 @@ def test_rmsnorm_matches_reference(lead, D, dtype, with_residual, seed):
         ref, got = ref[0], got[0]
     assert got.dtype == ref.dtype
     close(got, ref, dtype)
+    # Only the fp32 sum of squares is ordered differently: after rounding to the input dtype
+    # nearly every value is bit-identical (which also pins where the reference rounds).
+    assert (got != ref).float().mean() <= (0.02 if dtype != torch.float32 else 1.0)
 
 
 def test_rmsnorm_reference_is_the_model_norm():
@@ -170,7 +177,7 @@ def test_rmsnorm_reference_is_the_model_norm():
 # --- attention ----------------------------------------------------------------------------
 
 
-@examples(40)
+@examples(80)
 @given(st.integers(1, 3), st.integers(1, 3), st.sampled_from([1, 2, 4]), st.sampled_from([1, 2, 4, 16]),
        st.sampled_from([8, 16, 64]), st.integers(0, 70), st.data(), st.booleans(), st.sampled_from(FLOATS))
 def test_attention_matches_reference(b, kv_heads, group, B, d, extra, data, causal, dtype):
@@ -181,7 +188,8 @@ def test_attention_matches_reference(b, kv_heads, group, B, d, extra, data, caus
     q = torch.randn(b, kv_heads * group, B, d, generator=g, device=DEV).to(dtype)
     # Cache views as the Runtime's: one spare position per row, so the length axis is strided.
     k, v = (torch.randn(b, kv_heads, L + 1, d, generator=g, device=DEV).to(dtype)[:, :, :L] for _ in "kv")
-    start = torch.tensor(starts, device=DEV)
+    positions = torch.tensor(starts, device=DEV)[:, None] + torch.arange(B, device=DEV)
+    start = positions[:, 0]  # strided, as the models pass it
     close(attention_triton(q, k, v, start, causal), attention_torch(q, k, v, start, causal), dtype)
 
 
@@ -232,6 +240,17 @@ def test_backend_resolution(monkeypatch):
     assert resolve("attention", "auto", "cuda") == "torch"
 
 
+def test_flashinfer_falls_back_where_it_cannot_serve_the_models(reference_pair, monkeypatch):
+    """The fixture models are fp32 with head_dim 16: "auto" moves on to Triton, a named request fails."""
+    target, drafter = reference_pair
+    picked = {**dict.fromkeys(backend.OPS, "torch"), "attention": "flashinfer"}
+    monkeypatch.setattr(backend, "select", lambda spec, device: backend.Kernels(
+        picked, *(backend.load(op, b) for op, b in picked.items())))
+    assert backend.select_for("auto", target, drafter).backends["attention"] == "triton"
+    with pytest.raises(InputError, match="head_dim"):
+        backend.select_for({"attention": "flashinfer"}, target, drafter)
+
+
 def test_import_without_triton():
     code = ("import sys; sys.modules['triton'] = None; import dflow_rt, dflow_rt.kernels as k; "
             "assert k.select('auto', 'cpu').backends['commit'] == 'torch'\n"
@@ -249,11 +268,47 @@ def test_flashinfer_plan_describes_the_reference_mask(causal):
     assert qo.tolist() == [0, 4, 8, 12] and kv_indices.tolist() == [0, 1, 2] and kv_indptr.tolist() == [0, 1, 2, 3]
     kv_len = (kv_indptr[1:] - kv_indptr[:-1] - 1) * length + last
     i, key = torch.arange(B)[None, :, None], torch.arange(length)[None, None, :]
-    planned = key < kv_len[:, None, None]
+    planned = (key < kv_len[:, None, None]).expand(-1, B, -1)
     if causal:
         planned = planned & (key <= (kv_len - B)[:, None, None] + i)
     assert torch.equal(planned, block_mask(torch.tensor(starts), B, length, causal))
     with pytest.raises(ValueError):
         plan_inputs([13], B, length)
     with pytest.raises(ValueError, match="head_dim"):
-        FlashInferAttention().configure(True, 4, 2, 16, torch.float16, B)
+        FlashInferAttention().configure(True, 4, 2, 16, torch.float16)
+
+
+# --- the Runtime with its kernels -----------------------------------------------------------
+
+CASES = json.loads((FIXTURES / "rounds.json").read_text())["cases"][:3]
+PROMPTS = [c["prompt_ids"] for c in CASES]
+SAMPLED = {"max_new_tokens": 10, "temperature": 1.0, "top_k": 8, "seed": 4}
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """The reference fixture's models, on the kernels' device."""
+    return tuple(m.to(DEV) for m in load_pair(FIXTURES))
+
+
+def test_runtime_with_triton_kernels_emits_the_torch_tokens(pair):
+    """Attention, sampling and commit as kernels: the same tokens, greedy and sampled, with
+    requests joining a batch of 2 as rows free up."""
+    target, drafter = pair
+    runs = {}
+    for kernels in ("torch", "triton"):
+        rt = Runtime(target, drafter, RuntimeConfig(max_batch=2, max_len=160, kernels=kernels))
+        assert set(rt.kernels.backends.values()) == {kernels}
+        runs[kernels] = rt.generate(PROMPTS, max_new_tokens=16), rt.generate(PROMPTS[:2], **SAMPLED)
+    assert runs["triton"] == runs["torch"]
+    assert runs["torch"][0] == [c["output_ids"][:16] for c in CASES]  # the DFlash reference's tokens
+
+
+def test_compiled_round_holds_the_kernels(pair):
+    """The whole round, kernels included, under torch.compile(fullgraph=True): no graph break."""
+    target, drafter = pair
+    config = RuntimeConfig(max_batch=1, max_len=160, length_buckets=(160,), backend="compile",
+                           compile_backend="aot_eager", kernels="triton")
+    expected = Runtime(target, drafter, RuntimeConfig(max_batch=1, max_len=160, kernels="torch"))
+    assert Runtime(target, drafter, config).generate(PROMPTS[:1], max_new_tokens=12) == \
+        expected.generate(PROMPTS[:1], max_new_tokens=12)

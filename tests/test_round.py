@@ -5,6 +5,7 @@ import random
 
 import pytest
 import torch
+import transformers
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -20,8 +21,16 @@ def test_rounds_match_reference_implementation(fixture):
     target, drafter = load_pair(fixture)
     rounds = json.loads((fixture / "rounds.json").read_text())
     assert drafter.block_size == rounds["block_size"] and drafter.config.mask_token_id == rounds["mask_token_id"]
+    mask, hf = drafter.config.mask_token_id, transformers.AutoModelForCausalLM.from_pretrained(fixture / "target")
     for case in rounds["cases"]:
-        out = dflow_rt.generate(target, drafter, case["prompt_ids"], max_new_tokens=case["max_new_tokens"])
+        # The public implementation lets the target choose the mask token (an ordinary id in these tiny
+        # models): with `emit_mask_token` the round is exactly its round.
+        out = dflow_rt.generate(target, drafter, case["prompt_ids"], max_new_tokens=case["max_new_tokens"],
+                                emit_mask_token=True)
+        if mask in case["output_ids"]:  # by default the mask token is never chosen: the target's next choice
+            default = dflow_rt.generate(target, drafter, case["prompt_ids"], max_new_tokens=case["max_new_tokens"])
+            assert default.token_ids == hf_greedy(hf, case["prompt_ids"], case["max_new_tokens"], suppress=mask)
+            assert mask not in default.token_ids
         assert out.token_ids == case["output_ids"]
         n = len(out.acceptance_lengths)
         # The reference always finishes a round and cuts afterwards, so it may run one more.
@@ -91,10 +100,11 @@ def test_lossless_against_target_greedy(seed, vocab, layers, tied, block_size, p
     rng = random.Random(seed)
     prompt = [rng.randrange(vocab) for _ in range(prompt_len)]
     stops = [rng.randrange(vocab)] if use_stop else []
-    expected = hf_greedy(hf, prompt, max_new_tokens, stops)
+    mask = vocab - 1  # tiny_drafter's mask token: never emitted beside a drafter
+    expected = hf_greedy(hf, prompt, max_new_tokens, stops, suppress=mask)
     drafter = tiny_drafter(target, seed, layer_ids=tuple(range(layers))[-2:])
     if drafter_kind != "random":
-        full = hf_greedy(hf, prompt, max_new_tokens + block_size)
+        full = hf_greedy(hf, prompt, max_new_tokens + block_size, suppress=mask)
         drafter = OracleDrafter(drafter, prompt_len, full, 0.0 if drafter_kind == "oracle" else 0.3, seed)
     out = dflow_rt.generate(target, drafter, prompt, max_new_tokens=max_new_tokens, block_size=block_size,
                             stop_token_ids=stops)

@@ -48,13 +48,14 @@ def reference_counts(out):
 @pytest.mark.parametrize("backend", ["eager", "compile"])
 def test_backends_match_reference_round(reference_pair, backend):
     target, drafter = reference_pair
-    rt = Runtime(target, drafter, RuntimeConfig(max_batch=4, max_len=160, backend=backend,
+    rt = Runtime(target, drafter, RuntimeConfig(max_batch=4, max_len=160, backend=backend, emit_mask_token=True,
                                                 length_buckets=(48, 80, 112), compile_backend="aot_eager"))
     used = record_buckets(rt)
     outs, counts = per_round(rt, [c["prompt_ids"] for c in CASES], 64)
     assert len({L for _, L in used}) >= 2, used
+    assert any(drafter.config.mask_token_id in c["output_ids"] for c in CASES)  # the public round emits it here
     for case, out, cnt in zip(CASES, outs, counts, strict=True):
-        ref = dflow_rt.generate(target, drafter, case["prompt_ids"], max_new_tokens=64)
+        ref = dflow_rt.generate(target, drafter, case["prompt_ids"], max_new_tokens=64, emit_mask_token=True)
         assert out == ref.token_ids == case["output_ids"]
         assert cnt == reference_counts(ref)
 
@@ -216,10 +217,19 @@ def test_sampling_is_reproducible_and_pathwise_autoregressive(reference_pair):
     spec = Runtime(target, drafter, RuntimeConfig(max_batch=4, max_len=160))
     plain = Runtime(target, None, RuntimeConfig(max_batch=4, max_len=160))
     prompts = [c["prompt_ids"] for c in CASES[:4]]
+
+    def without_mask(module, inputs, logits):  # the law speculation samples: the target's, less the mask token
+        logits[..., drafter.config.mask_token_id] = float("-inf")
+        return logits
+
     for kw in ({"temperature": 1.0}, {"temperature": 0.7, "top_k": 5}, {"temperature": 1.3, "top_p": 0.8}):
         a = spec.generate(prompts, max_new_tokens=40, seed=11, **kw)
         assert a == spec.generate(prompts, max_new_tokens=40, seed=11, **kw)
-        assert a == plain.generate(prompts, max_new_tokens=40, seed=11, **kw)
+        hook = target.lm_head.register_forward_hook(without_mask)
+        try:
+            assert a == plain.generate(prompts, max_new_tokens=40, seed=11, **kw)
+        finally:
+            hook.remove()
         assert a != spec.generate(prompts, max_new_tokens=40, seed=12, **kw)
 
 

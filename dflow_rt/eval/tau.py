@@ -16,6 +16,7 @@ import torch
 
 from dflow_rt.config import RuntimeConfig
 from dflow_rt.data.synth import stable_unit
+from dflow_rt.errors import RequestError
 from dflow_rt.models.drafter import relay_off
 from dflow_rt.runtime import Runtime
 
@@ -88,7 +89,11 @@ def measure_tau(target, drafter, prompts: list[list[int]], suite: str = "", temp
         while not all(rt.is_finished(r) for r in rids):
             rt.step()
             bar.update(sum(rt.is_finished(r) for r in rids) - bar.n)
-    return TauResult(drafter.block_size, [rt.pop(r).acceptance for r in rids])
+    records = [rt.pop(r) for r in rids]
+    failed = next((r for r in records if r.error is not None), None)
+    if failed is not None:
+        raise RequestError(failed.rid, failed.error)
+    return TauResult(drafter.block_size, [r.acceptance for r in records])
 
 
 def heldout_tau(target, drafter, prompts: list[list[int]], max_new_tokens: int,

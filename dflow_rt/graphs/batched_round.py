@@ -11,6 +11,8 @@ Static-shape carry: the drafter appends all B features of the last verify at pos
 overwrites them; the same holds for rejected keys/values in the target cache.
 
 The round is three phases so that a benchmark can time them apart; `decode_round` chains them.
+Its fused ops (attention, sampling, commit) come from `kernels` (`dflow_rt.kernels`, resolved
+once per Runtime); without it, or with the torch backend, the round runs plain torch.
 """
 
 from __future__ import annotations
@@ -18,10 +20,12 @@ from __future__ import annotations
 import torch
 
 from dflow_rt.graphs.state import DecodeState
-from dflow_rt.sampling import accept, sample
+from dflow_rt.kernels import Kernels
+from dflow_rt.kernels.commit import commit_torch
+from dflow_rt.sampling import sample, screen, uniform
 
 
-def draft(target, drafter, s: DecodeState, mask_token_id: int) -> torch.Tensor:
+def draft(target, drafter, s: DecodeState, mask_token_id: int, kernels: Kernels | None = None) -> torch.Tensor:
     """Block ids [rows, B]: the last token, then the drafter's proposals (or masks without one)."""
     block = torch.where(s.slots == 0, s.tokens[:, None], mask_token_id)
     if drafter is None:
@@ -29,12 +33,21 @@ def draft(target, drafter, s: DecodeState, mask_token_id: int) -> torch.Tensor:
     pos = s.start[:, None] + s.slots
     ctx_pos = s.ctx_start[:, None] + s.slots
     drafts = drafter.propose(target, block, pos, cache=s.draft_cache, ctx_feat=s.relay.features, ctx_pos=ctx_pos,
-                             relay=s.relay)
+                             relay=s.relay, attention=_fused(kernels, "attention"))
     return torch.cat([block[:, :1], drafts], dim=1)
 
 
-def verify(target, s: DecodeState, block: torch.Tensor, layer_ids: tuple[int, ...], greedy_shortcut: bool = False):
+def _fused(kernels: Kernels | None, op: str):
+    """The kernel serving `op`, or None where the round's own torch code serves it."""
+    return None if kernels is None or kernels.backends[op] == "torch" else getattr(kernels, op)
+
+
+def verify(target, s: DecodeState, block: torch.Tensor, layer_ids: tuple[int, ...], greedy_shortcut: bool = False,
+           exclude: int | None = None, kernels: Kernels | None = None):
     """The target's choice at every position of `block` (greedy or sampled) and its features.
+
+    Token `exclude` (the drafter's mask token) is never chosen, and a row whose logits hold a
+    NaN or inf is marked in `s.faulted` (see `sampling.screen`).
 
     `block` may be the first k of the B drafted slots: verifying fewer positions costs less
     per round (on CPU, verify time grows with k), and any k is lossless.
@@ -46,44 +59,50 @@ def verify(target, s: DecodeState, block: torch.Tensor, layer_ids: tuple[int, ..
     the Runtime asks for it on CPU only.
     """
     pos = s.start[:, None] + s.slots[:block.shape[1]]
-    logits, features = target(block, pos, s.target_cache, layer_ids=layer_ids)
+    logits, features = target(block, pos, s.target_cache, layer_ids=layer_ids, attention=_fused(kernels, "attention"))
+    s.faulted.logical_or_(screen(logits, exclude))
     args = (logits, s.temperature, s.top_k, s.top_p, s.seed, pos + 1)
+    pick = sample if _fused(kernels, "sample") is None else _sampler(kernels.sample)
     if not greedy_shortcut:
-        return sample(*args), features
+        return pick(*args), features
     sampling = (s.temperature > 0).any()
     if torch.compiler.is_compiling():
-        return torch.cond(sampling, sample, _argmax, args), features
-    return (sample(*args) if sampling else _argmax(*args)), features
+        return torch.cond(sampling, pick, _argmax, args), features
+    return (pick(*args) if sampling else _argmax(*args)), features
 
 
 def _argmax(logits: torch.Tensor, *_) -> torch.Tensor:
     return logits.argmax(-1)
 
 
-def commit(s: DecodeState, block: torch.Tensor, verified: torch.Tensor, features: torch.Tensor | None) -> None:
+def _sampler(kernel):
+    """`sampling.sample`'s signature over a kernel that takes the uniforms themselves."""
+    def pick(logits, temperature, top_k, top_p, seed, positions):
+        return kernel(logits, temperature, top_k, top_p, uniform(seed, positions))
+    return pick
+
+
+def commit(s: DecodeState, block: torch.Tensor, verified: torch.Tensor, features: torch.Tensor | None,
+           kernel=commit_torch) -> None:
     """Accept, write the emitted tokens to `s.out`, and carry state to the next round.
 
     `block` and `verified` are the k verified positions ([rows, k], k <= B); `s.out` columns past
-    k + 1 are left as they are (the host reads `count` tokens)."""
-    a = accept(block, verified)
-    bonus = verified.gather(1, a[:, None])
-    # Emit block[1..a] and the bonus, plus block[0] when prefill has not reported it yet.
-    committed = torch.cat([block, bonus], dim=1).scatter(1, a[:, None] + 1, bonus)
-    k = block.shape[1]
-    skip = (~s.fresh).long()[:, None]
-    emitted = committed.gather(1, (torch.arange(k + 1, device=block.device) + skip).clamp(max=k))
-    s.out[:, :k + 2].copy_(torch.cat([(a + 1 + s.fresh.long())[:, None], emitted], dim=1))
-    if s.relay is not None:
-        s.relay.write(None, features, block, verified, a)
-    s.ctx_start.copy_(torch.where(s.active, s.start, s.ctx_start))
-    s.start.add_((a + 1) * s.active.long())
-    s.tokens.copy_(bonus[:, 0])
-    s.fresh.zero_()
+    k + 1 are left as they are (the host reads `count` tokens). `kernel` is `commit_torch` or a
+    kernel of the same signature (`dflow_rt.kernels.commit`)."""
+    r = s.relay
+    relay = () if r is None else (r.features, r.accepted, r.bonus, r.rejected, r.width)
+    kernel(block, verified, features, s.tokens, s.start, s.ctx_start, s.fresh, s.active, s.out, *relay)
 
 
 def decode_round(target, drafter, state: DecodeState, mask_token_id: int, layer_ids: tuple[int, ...],
-                 greedy_shortcut: bool = False, verify_width: int | None = None) -> None:
-    """One round; the target verifies the first `verify_width` drafted positions (default all)."""
-    block = draft(target, drafter, state, mask_token_id)[:, :verify_width]
-    verified, features = verify(target, state, block, layer_ids, greedy_shortcut)
-    commit(state, block, verified, features)
+                 greedy_shortcut: bool = False, verify_width: int | None = None,
+                 kernels: Kernels | None = None, emit_mask_token: bool = False) -> None:
+    """One round; the target verifies the first `verify_width` drafted positions (default all),
+    never choosing the mask token unless `emit_mask_token`.
+
+    The last column of `state.out` reports each row's fault flag with its tokens: one host read."""
+    block = draft(target, drafter, state, mask_token_id, kernels)[:, :verify_width]
+    exclude = None if drafter is None or emit_mask_token else mask_token_id
+    verified, features = verify(target, state, block, layer_ids, greedy_shortcut, exclude, kernels)
+    commit(state, block, verified, features, _fused(kernels, "commit") or commit_torch)
+    state.out[:, -1].copy_(state.faulted)

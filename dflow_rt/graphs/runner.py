@@ -10,16 +10,21 @@ import torch
 
 from dflow_rt.graphs.batched_round import decode_round
 from dflow_rt.graphs.state import DecodeState
+from dflow_rt.kernels import Kernels
 
 Bucket = tuple[int, int]  # (rows, cache length)
 
 
 def build_rounds(target, drafter, state: DecodeState, buckets: tuple[int, ...], lengths: tuple[int, ...],
                  backend: str, mask_token_id: int, layer_ids: tuple[int, ...],
-                 compile_backend: str = "inductor",
-                 widths: dict[int, int] | None = None) -> dict[Bucket, Callable[[], None]]:
+                 compile_backend: str = "inductor", widths: dict[int, int] | None = None,
+                 kernels: Kernels | None = None,
+                 plan: Callable[[int, int], None] | None = None,
+                 emit_mask_token: bool = False) -> dict[Bucket, Callable[[], None]]:
     """One zero-argument callable per (rows, length) bucket, running the round on rows [0, rows)
-    over cache positions [0, length), verifying the first `widths[rows]` drafted positions.
+    over cache positions [0, length), verifying the first `widths[rows]` drafted positions,
+    with the fused ops of `kernels`. `plan(rows, length)`, when given, runs on the host before
+    every run of a bucket (FlashInfer's planning), outside any captured graph or compiled code.
 
     Compiled rounds trace one graph per row count with the cache length symbolic; each row
     count runs here at its shortest and longest length (no row is live yet, so these runs
@@ -29,7 +34,8 @@ def build_rounds(target, drafter, state: DecodeState, buckets: tuple[int, ...], 
     """
     views = {(n, L): state.view(n, L) for n in buckets for L in lengths}
     fn = functools.partial(decode_round, target, drafter, mask_token_id=mask_token_id, layer_ids=layer_ids,
-                           greedy_shortcut=greedy_shortcut(state.tokens.device))
+                           greedy_shortcut=greedy_shortcut(state.tokens.device), kernels=kernels,
+                           emit_mask_token=emit_mask_token)
     if backend != "eager":
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 2 * len(buckets))
         for view in views.values():
@@ -37,14 +43,24 @@ def build_rounds(target, drafter, state: DecodeState, buckets: tuple[int, ...], 
         fn = compile_static(fn, compile_backend)
     widths = widths or {}
     rounds = {(n, L): functools.partial(fn, view, verify_width=widths.get(n)) for (n, L), view in views.items()}
+    if plan is not None:  # each bucket planned before its first run (compiling or capturing)
+        for key in rounds:
+            plan(*key)
     with compiling(compile_backend, state.tokens.device):
         if backend == "cudagraph":
-            return capture_cuda_graphs(rounds)
-        if backend == "compile":  # the graph has a symbolic length: the shortest and longest bucket
-            for n in buckets:      # of each row count compile it and check its guards at both ends
+            rounds = capture_cuda_graphs(rounds)
+        elif backend == "compile":  # the graph has a symbolic length: the shortest and longest bucket
+            for n in buckets:        # of each row count compile it and check its guards at both ends
                 for L in (lengths[0], lengths[-1]):
                     rounds[n, L]()
-    return rounds
+    if plan is None:
+        return rounds
+    return {key: functools.partial(_planned, plan, key, run) for key, run in rounds.items()}
+
+
+def _planned(plan: Callable[[int, int], None], key: Bucket, run: Callable[[], None]) -> None:
+    plan(*key)
+    run()
 
 
 def greedy_shortcut(device: torch.device) -> bool:

@@ -25,7 +25,8 @@ class DecodeState:
     top_k: torch.Tensor        # [rows] long; 0 = off
     top_p: torch.Tensor        # [rows] float32; 1 = off
     seed: torch.Tensor         # [rows] long
-    out: torch.Tensor          # [rows, B + 2] long: count, then the tokens emitted this round
+    faulted: torch.Tensor      # [rows] bool: a NaN/inf logit since the row was last cleaned
+    out: torch.Tensor          # [rows, B + 3] long: count, the tokens emitted this round, then `faulted`
     slots: torch.Tensor        # [B] arange, kept to avoid a per-round allocation
     target_cache: KVCache
     draft_cache: KVCache | None
@@ -41,7 +42,8 @@ class DecodeState:
         return cls(
             tokens=zeros(rows), start=zeros(rows), ctx_start=zeros(rows), fresh=zeros(rows, dtype=torch.bool),
             active=zeros(rows, dtype=torch.bool), temperature=zeros(rows, dtype=torch.float32), top_k=zeros(rows),
-            top_p=torch.ones(rows, device=dev), seed=zeros(rows), out=zeros(rows, block_size + 2),
+            top_p=torch.ones(rows, device=dev), seed=zeros(rows), faulted=zeros(rows, dtype=torch.bool),
+            out=zeros(rows, block_size + 3),
             slots=torch.arange(block_size, device=dev), target_cache=target.new_cache(rows, max_len),
             draft_cache=drafter.new_cache(rows, max_len) if drafter is not None else None,
             relay=drafter.new_relay_buffer(rows, block_size) if drafter is not None else None,
@@ -60,6 +62,21 @@ class DecodeState:
             else:
                 parts[f.name] = value.view(n, length) if isinstance(value, KVCache) else value.view(n)
         return DecodeState(**parts)
+
+    def clean(self, row: int) -> None:
+        """Zero every cache entry and relay record of `row` and park it as padding.
+
+        Masks do not contain a NaN or inf left by a failed request: attention multiplies masked
+        keys and values by zero weights, and 0 * NaN is NaN. A row is cleaned when it faults,
+        before any request can reuse it."""
+        for t in self.caches():
+            t[row].zero_()
+        if self.relay is not None:
+            for t in self.relay.tensors():
+                t[row] = 0
+            self.relay.clear(torch.tensor([row], device=self.tokens.device))
+        for t in (self.tokens, self.start, self.ctx_start, self.fresh, self.active, self.temperature, self.faulted):
+            t[row] = 0
 
     def caches(self) -> list[torch.Tensor]:
         """The key/value tensors, whose length axis (2) varies across length buckets."""

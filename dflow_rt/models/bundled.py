@@ -36,3 +36,28 @@ def drafter_dir(spec: str | None) -> Path | None:
             raise InputError(f"the bundled {spec} drafter is missing from {ASSETS} (a broken install?)")
         return path
     return Path(spec)
+
+
+def load_models(target: str | None, drafter: str | None, device: str | None = None, threads: int | None = None,
+                need_tokenizer: bool = True):
+    """(target, drafter or None, tokenizer) by name or directory: the one place commands load models.
+
+    No `target` means the bundled one; `drafter` None or "none" means no drafter; `device` None
+    picks CUDA when there is one; `threads` as `dflow_rt.threads.set_threads`. Without
+    `need_tokenizer`, a directory with no tokenizer (random benchmark models) gives None for it.
+    """
+    import torch
+
+    from dflow_rt.models.checkpoint import load_drafter, load_target
+    from dflow_rt.threads import set_threads
+    from dflow_rt.tokenizer import load_tokenizer
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise InputError(f"--device {device}: CUDA is not available on this machine")
+    path = target_dir(target)
+    model = load_target(path, device=device)
+    set_threads(threads, model)
+    spec = None if drafter in (None, "none") else drafter_dir(drafter)
+    has_tokenizer = need_tokenizer or (path / "tokenizer.json").exists()
+    return model, load_drafter(spec, model) if spec else None, load_tokenizer(path) if has_tokenizer else None

@@ -16,6 +16,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from dflow_rt.errors import CheckpointError
+from dflow_rt.models.bounds import MAX_JSON_BYTES, bound, check_parameters, regular_file
 from dflow_rt.models.drafter import RELAY_INPUTS, Drafter, DrafterConfig, build_target_layer_ids
 from dflow_rt.models.target import ARCHITECTURES, Target, TargetConfig, rope_settings
 
@@ -32,12 +33,13 @@ def read_config(directory: str | Path) -> tuple[Path, dict]:
     path = Path(directory) / "config.json"
     if not Path(directory).is_dir():
         raise CheckpointError(directory, "not a model directory")
+    regular_file(path, MAX_JSON_BYTES)
     try:
         cfg = json.loads(path.read_text())
     except FileNotFoundError:
         raise CheckpointError(path, "missing") from None
-    except (OSError, ValueError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise CheckpointError(path, f"not valid JSON ({err})") from None
+    except (OSError, ValueError, RecursionError) as err:  # JSONDecodeError, UnicodeDecodeError: ValueErrors
+        raise CheckpointError(path, f"not valid JSON ({type(err).__name__})") from None
     if not isinstance(cfg, dict):
         raise CheckpointError(path, f"must hold a JSON object, got {type(cfg).__name__}")
     return path, cfg
@@ -51,7 +53,7 @@ def positive_int(cfg: dict, path: object, name: str, default: float | None = Non
     if type(value) not in (int, kind) or not 0 < value < math.inf:  # JSON true is no size
         noun = "integer" if kind is int else "number"
         raise CheckpointError(path, f"field '{name}' must be a positive {noun}, got {value!r}")
-    return kind(value)
+    return bound(name, value, path) if kind is int else kind(value)
 
 
 def rope(cfg: dict, path: object) -> tuple[float, dict | None]:
@@ -61,8 +63,14 @@ def rope(cfg: dict, path: object) -> tuple[float, dict | None]:
         kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
     except (AttributeError, TypeError, ValueError) as err:
         raise CheckpointError(path, f"field 'rope_theta'/'rope_parameters'/'rope_scaling' ({err})") from None
-    if kind not in ("default", "llama3") or not theta > 0:
+    if kind not in ("default", "llama3") or not 0 < theta < math.inf:
         raise CheckpointError(path, f"field 'rope_scaling' type {kind!r} (theta {theta}) is not supported")
+    if kind == "llama3":
+        factors = [positive_int(scaling, path, f, kind=float) for f in ("factor", "low_freq_factor",
+                                                                          "high_freq_factor")]
+        positive_int(scaling, path, "original_max_position_embeddings")
+        if not factors[2] > factors[1]:
+            raise CheckpointError(path, "field 'rope_scaling': high_freq_factor must exceed low_freq_factor")
     return theta, scaling
 
 
@@ -72,12 +80,13 @@ def shared_fields(cfg: dict, path: object) -> dict:
     kv = positive_int(cfg, path, "num_key_value_heads", default=heads)
     if heads % kv:
         raise CheckpointError(path, f"field 'num_key_value_heads' {kv} does not divide {heads} heads")
+    head_dim = positive_int(cfg, path, "head_dim",  # transformers' Qwen3 defaults it to 128, Llama to hidden // heads
+                            default=128 if cfg.get("model_type") == "qwen3" else max(hidden // heads, 1))
+    if head_dim % 2:
+        raise CheckpointError(path, f"field 'head_dim' must be even (rotary pairs), got {head_dim}")
     theta, scaling = rope(cfg, path)
     return dict(
-        hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv,
-        # transformers' Qwen3Config defaults head_dim to 128, Llama to hidden // heads
-        head_dim=positive_int(cfg, path, "head_dim",
-                              default=128 if cfg.get("model_type") == "qwen3" else max(hidden // heads, 1)),
+        hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim,
         intermediate_size=positive_int(cfg, path, "intermediate_size"),
         num_hidden_layers=positive_int(cfg, path, "num_hidden_layers"),
         vocab_size=positive_int(cfg, path, "vocab_size"), rope_theta=theta, rope_scaling=scaling,
@@ -91,6 +100,7 @@ def weight_files(directory: Path) -> list[Path]:
     """The files to read: the shards an index lists, else every *.safetensors; never a pickle."""
     index = directory / INDEX
     if index.exists():
+        regular_file(index, MAX_JSON_BYTES)
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (OSError, ValueError, KeyError, TypeError) as err:
@@ -99,11 +109,14 @@ def weight_files(directory: Path) -> list[Path]:
                 isinstance(s, str) and s and Path(s).name == s for s in weight_map.values()):
             raise CheckpointError(index, "field 'weight_map' must map tensors to file names in its directory")
         for name, shard in weight_map.items():
-            if not (directory / shard).is_file():
+            if not (directory / shard).exists():
                 raise CheckpointError(directory / shard, f"missing: field 'weight_map' of {INDEX} "
                                                          f"lists it for tensor '{name}'")
+            regular_file(directory / shard)
         return [directory / s for s in sorted(set(weight_map.values()))]
     files = sorted(directory.glob("*.safetensors"))
+    for file in files:
+        regular_file(file)
     if files:
         return files
     pickles = sorted(p.name for p in directory.iterdir() if p.suffix in PICKLE_SUFFIXES)
@@ -140,6 +153,7 @@ def load_weights(cls: type, config, directory: Path, dtype: torch.dtype | None, 
             if name in origin:
                 raise CheckpointError(file, f"tensor '{name}' is also in {origin[name].name}")
             tensors[name], origin[name] = tensor, file
+    check_parameters(config, sum(t.numel() for t in tensors.values()), directory / "config.json")
     with torch.device("meta"):
         module = cls(config)
     expected = {k: v for k, v in module.state_dict().items() if k not in skip}

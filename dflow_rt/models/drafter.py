@@ -9,7 +9,8 @@ Logits come from the target's `lm_head`; the drafter owns neither table.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
@@ -132,8 +133,8 @@ class Drafter(nn.Module):
 
     def forward(self, block_emb: torch.Tensor, block_pos: torch.Tensor, *, cache: KVCache,
                 ctx_feat: torch.Tensor | None = None, ctx_pos: torch.Tensor | None = None,
-                rows: torch.Tensor | None = None,
-                relay_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                rows: torch.Tensor | None = None, relay_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+                attention: Callable | None = None) -> torch.Tensor:
         """Hidden states [batch, block, hidden] of one draft pass.
 
         `ctx_feat` (or None) are target features of newly committed positions `ctx_pos`,
@@ -143,31 +144,39 @@ class Drafter(nn.Module):
         reads as context are rewritten by that round's context write first (the rejected ones
         sit at or past its block and are overwritten or masked). `relay_kv` = (relay vectors,
         valid slots) of a `kv` relay: extra keys/values for the block (`relay_keys`).
+        `attention` (q, k, v, start, causal), a block attention kernel of `dflow_rt.kernels`,
+        replaces the masked SDPA over the cache.
         """
         if ctx_feat is not None:
             self.write_context(ctx_feat, ctx_pos, cache, rows)
         cos, sin = self.rotary(block_pos, block_emb.dtype)
         size = block_pos.shape[1]
-        visible = torch.arange(cache.max_len, device=block_pos.device) < block_pos[:, :1, None] + size
-        mask = visible.expand(-1, size, -1)
+        kernel, mask = None, None
+        if attention is not None:
+            kernel = functools.partial(attention, start=block_pos[:, 0], causal=False)
+        else:
+            visible = torch.arange(cache.max_len, device=block_pos.device) < block_pos[:, :1, None] + size
+            mask = visible.expand(-1, size, -1)
         if relay_kv is not None:
             relay_kv = relay_kv[0], relay_mask(relay_kv[1], size)
         h = block_emb
         for i, layer in enumerate(self.layers):
             def attend(attn, x, i=i):
                 extra = None if relay_kv is None else relay_keys(attn, *relay_kv, cos, sin)
-                return attend_cached(attn, x, cos, sin, mask, cache, i, rows, block_pos, extra)
+                return attend_cached(attn, x, cos, sin, mask, cache, i, rows, block_pos, extra, kernel)
 
             h = layer(h, attend)
         return self.norm(h)
 
     def propose(self, target: nn.Module, block_ids: torch.Tensor, block_pos: torch.Tensor, *, cache: KVCache,
                 ctx_feat: torch.Tensor | None = None, ctx_pos: torch.Tensor | None = None,
-                rows: torch.Tensor | None = None, relay: RelayBuffer | None = None) -> torch.Tensor:
+                rows: torch.Tensor | None = None, relay: RelayBuffer | None = None,
+                attention: Callable | None = None) -> torch.Tensor:
         """Greedy drafts [batch, block - 1] for slots 1.. of `block_ids` (one denoising step).
 
         With a DFlow relay and a `relay` buffer holding the last verify pass, the rejected
         suffix's features enter the pass (added to the mask embeddings, or as keys/values).
+        `attention`: see `forward`.
         """
         emb, relay_kv, ctx = self.embed(target, block_ids), None, None
         if ctx_feat is not None:
@@ -180,7 +189,7 @@ class Drafter(nn.Module):
                 relay_kv = vectors, valid
             else:
                 emb = emb + vectors
-        h = self(emb, block_pos, cache=cache, rows=rows, relay_kv=relay_kv)
+        h = self(emb, block_pos, cache=cache, rows=rows, relay_kv=relay_kv, attention=attention)
         return self.logits(target, h[:, 1:]).argmax(-1)
 
 

@@ -7,6 +7,8 @@ per-head tensors are [batch, heads, seq, head_dim].
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -49,14 +51,17 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.d
     return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
 
 
+DEFAULT_POSITIONS = 4096  # rotary positions built at load; training sequences are shorter
+
+
 class Rotary(nn.Module):
     """Rotary cos/sin tables, looked up by position.
 
     A lookup, not cos/sin evaluated per call: inductor fuses a pointwise producer into each
     consumer, so computed tables were re-evaluated inside every layer's kernel (9 % of a
-    compiled batch-4 round on CPU). The tables are float32 and cover `length` positions (the
-    model's max_position_embeddings); `reserve` grows them outside the decoding loop, for a
-    Runtime or `generate` whose max_len is longer.
+    compiled batch-4 round on CPU). The tables are float32. Loading reserves at most
+    `DEFAULT_POSITIONS` of the model's max_position_embeddings (a config may claim millions);
+    `reserve` grows them outside the decoding loop to what a Runtime or `generate` needs.
     """
 
     def __init__(self, head_dim: int, theta: float, scaling: dict | None, length: int):
@@ -65,7 +70,7 @@ class Rotary(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, scaling), persistent=False)
         self.register_buffer("cos", torch.empty(0, head_dim, device="cpu"), persistent=False)
         self.register_buffer("sin", torch.empty(0, head_dim, device="cpu"), persistent=False)
-        self.reserve(length)
+        self.reserve(min(length, DEFAULT_POSITIONS))
 
     def reserve(self, length: int) -> None:
         """Make the tables cover positions 0..length-1."""
@@ -120,24 +125,29 @@ class Attention(nn.Module):
         v = self.v_proj(x).unflatten(-1, (self.kv_heads, self.head_dim))
         return apply_rope(k.transpose(1, 2), cos, sin), v.transpose(1, 2)
 
-    def output(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-               extra: tuple | None = None) -> torch.Tensor:
+    def output(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+               extra: tuple | None = None, kernel: Callable | None = None) -> torch.Tensor:
         """Attend `q` over `k`/`v` where `mask` [batch, q_len, k_len] is True, then project out.
 
         `extra` = (k, v, mask): a second attention with a softmax of its own, added to the
-        first before the output projection (the DFlow `kv` relay).
+        first before the output projection (the DFlow `kv` relay). `kernel(q, k, v)`, when
+        given, is the first attention instead (a fused kernel that knows its mask; `mask` unused).
         """
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=True)
+        if kernel is not None:
+            out = kernel(q, k, v)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=True)
         if extra is not None:
             ek, ev, emask = extra
             out = out + F.scaled_dot_product_attention(q, ek, ev, attn_mask=emask[:, None], enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).flatten(2))
 
 
-def attend_cached(attn: Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
+def attend_cached(attn: Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
                   cache: KVCache, layer: int, rows: torch.Tensor | None, positions: torch.Tensor,
-                  extra: tuple | None = None) -> torch.Tensor:
-    """Write the keys/values of `x` at `positions` of `cache`, then attend over the whole cache.
+                  extra: tuple | None = None, kernel: Callable | None = None) -> torch.Tensor:
+    """Write the keys/values of `x` at `positions` of `cache`, then attend over the whole cache
+    (through `kernel(q, k, v)` when given, see `Attention.output`).
 
     The cache stays one tensor per layer that attention reads in place: no concatenation of
     old and new keys, whose copy grows with the context every round.
@@ -145,7 +155,7 @@ def attend_cached(attn: Attention, x: torch.Tensor, cos: torch.Tensor, sin: torc
     k, v = attn.key_value(x, cos, sin)
     cache.write(layer, rows, positions, k, v)
     k, v = cache.read(layer, rows)
-    return attn.output(attn.query(x, cos, sin), k, v, mask, extra)
+    return attn.output(attn.query(x, cos, sin), k, v, mask, extra, kernel)
 
 
 class MLP(nn.Module):

@@ -8,6 +8,8 @@ trained on exactly that, so the last layer's feature is its normed output (`Targ
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -75,23 +77,30 @@ class Target(nn.Module):
         return KVCache(c.num_hidden_layers, batch, c.num_key_value_heads, max_len, c.head_dim, w.dtype, w.device)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache | None = None,
-                rows: torch.Tensor | None = None, *, layer_ids: tuple[int, ...] = (), logits_from: int = 0):
+                rows: torch.Tensor | None = None, *, layer_ids: tuple[int, ...] = (), logits_from: int = 0,
+                attention: Callable | None = None):
         """Run `ids` [batch, seq] at `positions` [batch, seq], causally.
 
         With a `cache`, keys/values are written to cache `rows` [batch] and each token sees the
         cache entries at positions up to its own; without one (training), the sequence sees
-        only itself. Returns (logits of positions `logits_from:`, features [batch, seq,
-        len(layer_ids) * hidden] or None).
+        only itself. `attention` (q, k, v, start, causal), a block attention kernel of
+        `dflow_rt.kernels`, replaces the masked SDPA over the cache; each row's positions must
+        then run on from positions[:, 0]. Returns (logits of positions `logits_from:`, features
+        [batch, seq, len(layer_ids) * hidden] or None).
         """
         h = self.model.embed_tokens(ids)
         cos, sin = self.rotary(positions, h.dtype)
-        keys = positions[:, None, :] if cache is None else torch.arange(cache.max_len, device=ids.device)
-        mask = keys <= positions[:, :, None]
+        kernel = None
+        if attention is not None and cache is not None:
+            kernel, mask = functools.partial(attention, start=positions[:, 0], causal=True), None
+        else:
+            keys = positions[:, None, :] if cache is None else torch.arange(cache.max_len, device=ids.device)
+            mask = keys <= positions[:, :, None]
         picked = {}
         for i, layer in enumerate(self.model.layers):
             def attend(attn, x, i=i):
                 if cache is not None:
-                    return attend_cached(attn, x, cos, sin, mask, cache, i, rows, positions)
+                    return attend_cached(attn, x, cos, sin, mask, cache, i, rows, positions, kernel=kernel)
                 k, v = attn.key_value(x, cos, sin)
                 return attn.output(attn.query(x, cos, sin), k, v, mask)
 

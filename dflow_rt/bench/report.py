@@ -1,0 +1,77 @@
+"""How a `bench --suite e2e` result reads: row names, the printed table, the machine it ran on."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+
+def label(r: dict) -> str:
+    """A row's name in tables and plots, e.g. 'dflash compile b4 bf16 k8'."""
+    name = {"hf_generate": "transformers generate", "hf_prompt_lookup": "transformers prompt lookup",
+            "reference": f"reference {r['drafter']}", "ar": "AR"}.get(r["method"], r["method"])
+    if r["method"].startswith("hf_"):
+        return name
+    dtype = {"float32": "fp32", "bfloat16": "bf16"}[r["dtype"]]
+    width = f" k{r['k']}" if r["k"] is not None and r["method"] != "reference" else ""
+    backend = "" if r["method"] == "reference" else f" {r['backend']}"
+    return f"{name}{backend} b{r['batch']} {dtype}{width}"
+
+
+def format_table(result: dict) -> str:
+    """The rows as a Markdown table (pasteable into docs), then the machine line and the notes."""
+    lines = ["| target | method | tau | tokens/s | TTFT ms | x HF generate | x our AR | identical |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        hf = "-" if r["speedup_vs_hf"] is None else f"{r['speedup_vs_hf']:.2f}"
+        same = f"{100 * r['identical']:.0f} %" if r["identical"] == 1.0 else f"!! {100 * r['identical']:.1f} % !!"
+        lines.append(f"| {r['target']} | {label(r)} | {r['tau']:.2f} | {r['tokens_per_s']:.1f} | "
+                     f"{r['ttft_ms']:.1f} | {hf} | {r['speedup_vs_ar']:.2f} | {same} |")
+    m = result["machine"]
+    lines.append(f"\n{m['cpu']}, {m['cores']} cores, {result['settings']['threads']} threads; torch {m['torch']}, "
+                 f"transformers {m['transformers']}; {m['date']}")
+    lines += [f"note: {n}" for n in result["notes"]]
+    return "\n".join(lines)
+
+
+def bf16_matmul(device: torch.device) -> bool:
+    """Whether `device` multiplies bf16 matrices natively (on CPU: oneDNN's check for AVX512-BF16/AMX)."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def machine(device: torch.device) -> dict:
+    """What the figures were measured on, for the JSON and the table's footer."""
+    import transformers
+
+    info = {}
+    if Path("/proc/cpuinfo").exists():
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            info.setdefault(key.strip(), value.strip())
+    cpu = f"{info.get('model name') or platform.processor() or platform.machine()}"
+    if "cpu family" in info:
+        cpu += f" (family {info['cpu family']}, model {info.get('model')})"
+    return {"cpu": cpu, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "cores": os.cpu_count(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "bf16_matmul": bf16_matmul(device), "load_average": list(os.getloadavg()), "torch": torch.__version__,
+            "transformers": transformers.__version__, "python": platform.python_version(), "commit": commit(),
+            "date": time.strftime("%Y-%m-%d %H:%M %Z")}
+
+
+def commit() -> str | None:
+    """The checkout's HEAD, '+dirty' when tracked files differ from it; None outside a git checkout."""
+    def git(*argv: str) -> str:
+        return subprocess.run(["git", *argv], capture_output=True, text=True, check=True,
+                              cwd=Path(__file__).parent).stdout.strip()
+
+    try:
+        return git("rev-parse", "--short", "HEAD") + ("+dirty" if git("status", "--porcelain", "-uno") else "")
+    except (OSError, subprocess.CalledProcessError):
+        return None

@@ -1,0 +1,135 @@
+"""Per-op backend selection: `torch` (the reference), `triton`, or `flashinfer` (attention only).
+
+Nothing here imports triton or flashinfer until a backend that needs them is asked for, so
+`import dflow_rt` works on an install without them (the CPU one may lack triton).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+
+import torch
+
+from dflow_rt.errors import InputError
+
+OPS = ("commit", "sample", "rmsnorm", "attention")
+BACKENDS = ("torch", "triton", "flashinfer")
+
+
+@functools.cache
+def importable(name: str) -> bool:
+    """Whether `import name` works (not merely whether the package is installed)."""
+    try:
+        importlib.import_module(name)
+    except Exception:  # a broken install (missing CUDA libraries, ABI mismatch) counts as absent
+        return False
+    return True
+
+
+def interpreting() -> bool:
+    """Whether Triton kernels run in its CPU interpreter (TRITON_INTERPRET=1): tests only."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def resolve(op: str, requested: str, device: torch.device | str) -> str:
+    """The backend that serves `op` on `device` when `requested` ("auto" or a backend name).
+
+    auto: flashinfer for the attention on CUDA when it imports, else triton on CUDA when it
+    imports, else torch. On CPU, triton runs only when asked for by name under the
+    interpreter. A backend asked for by name that cannot run raises InputError.
+    """
+    if op not in OPS:
+        raise InputError(f"kernel op must be one of {', '.join(OPS)}, got {op!r}")
+    cuda = torch.device(device).type == "cuda"
+    if requested == "auto":
+        if cuda and op == "attention" and importable("flashinfer"):
+            return "flashinfer"
+        return "triton" if cuda and importable("triton") else "torch"
+    if requested == "torch":
+        return requested
+    if requested == "flashinfer":
+        if op != "attention":
+            raise InputError(f"flashinfer serves only the attention, not {op!r}")
+        if not cuda:
+            raise InputError("kernel backend 'flashinfer' needs a CUDA device")
+        if not importable("flashinfer"):
+            raise InputError("kernel backend 'flashinfer' asked for, but `import flashinfer` fails")
+        return requested
+    if requested == "triton":
+        if not importable("triton"):
+            raise InputError("kernel backend 'triton' asked for, but `import triton` fails: pip install 'triton>=3.5'")
+        if not cuda and not interpreting():
+            raise InputError("kernel backend 'triton' needs a CUDA device (or TRITON_INTERPRET=1, for tests)")
+        return requested
+    raise InputError(f"kernel backend must be 'auto' or one of {', '.join(BACKENDS)}, got {requested!r}")
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The resolved function of every op (same signature whatever the backend) and its backend."""
+
+    backends: Mapping[str, str]
+    commit: Callable
+    sample: Callable
+    rmsnorm: Callable
+    attention: Callable
+
+
+def select(spec: str | Mapping[str, str] = "auto", device: torch.device | str = "cpu") -> Kernels:
+    """Resolve a `RuntimeConfig.kernels` spec: one backend name (or "auto") for every op, or a
+    dict op -> backend whose missing ops are "auto"."""
+    if isinstance(spec, str):
+        requested = dict.fromkeys(OPS, spec)
+    else:
+        unknown = set(spec) - set(OPS)
+        if unknown:
+            raise InputError(f"kernel ops must be among {', '.join(OPS)}, got {sorted(unknown)}")
+        requested = {op: spec.get(op, "auto") for op in OPS}
+    backends = {op: resolve(op, requested[op], device) for op in OPS}
+    return Kernels(backends, **{op: load(op, backend) for op, backend in backends.items()})
+
+
+def select_for(spec: str | Mapping[str, str], target, drafter) -> Kernels:
+    """`select` on the models' device, FlashInfer configured with their attention shapes; where
+    FlashInfer cannot serve them (fp32, an odd head size) and the spec said "auto", the next choice."""
+    kernels = select(spec, target.lm_head.weight.device)
+    if kernels.backends["attention"] != "flashinfer":
+        return kernels
+    try:
+        kernels.attention.configure_models(target, drafter)
+    except ValueError as e:
+        if (spec if isinstance(spec, str) else spec.get("attention", "auto")) != "auto":
+            raise InputError(str(e)) from e
+        backend = "triton" if importable("triton") else "torch"
+        backends = {**kernels.backends, "attention": backend}
+        return replace(kernels, backends=backends, attention=load("attention", backend))
+    return kernels
+
+
+def load(op: str, backend: str) -> Callable:
+    """The function serving `op` with `backend` (imports its module now; triton at its first launch)."""
+    if backend == "flashinfer":
+        from dflow_rt.kernels.flashinfer_backend import FlashInferAttention
+
+        return FlashInferAttention()
+    module = importlib.import_module(f"dflow_rt.kernels.{op}")
+    return getattr(module, f"{op}_{backend}")
+
+
+@functools.cache
+def triton_kernel(fn: Callable) -> Callable:
+    """`fn` as a Triton kernel, decorated on its first launch.
+
+    Kernel modules define plain functions over a module global `tl` that is bound here:
+    importing them needs no triton, and TRITON_INTERPRET (which triton reads when it decorates)
+    takes effect whenever it is set before the first launch.
+    """
+    import triton
+    import triton.language as tl
+
+    fn.__globals__["tl"] = tl
+    return triton.jit(fn)

@@ -1,0 +1,154 @@
+"""Resource limits of a Runtime, checked before anything is allocated.
+
+Every `RuntimeConfig` field is checked for its exact type and range (a size is an int, never a
+float or bool), and the memory the preallocated state will take is compared with what the
+device can give, so a bad configuration fails with one `InputError` naming the field instead
+of an allocation failure halfway through construction, or a machine pushed into swap.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import fields
+
+import torch
+
+from dflow_rt.config import BACKENDS, RuntimeConfig
+from dflow_rt.errors import InputError
+from dflow_rt.models.layers import Rotary, reserve_positions
+from dflow_rt.requests import check_int
+
+MAX_ROWS = 1 << 16
+MAX_LEN = 1 << 24
+MAX_BLOCK = 1 << 10
+GIB = 1 << 30
+
+
+def _sizes(name: str, value: object, low: int, high: int) -> None:
+    if value is None:
+        return
+    if not isinstance(value, (tuple, list)) or not value:
+        raise InputError(f"{name} must be None or a non-empty tuple of ints, got {value!r}")
+    for i, size in enumerate(value):
+        check_int(f"{name}[{i}]", size, low, high)
+
+
+def _verify_width(value: object, max_batch: int) -> None:
+    if value is None:
+        return
+    if isinstance(value, Mapping):
+        for bucket, width in value.items():
+            check_int("verify_width key (a batch bucket)", bucket, 1, max_batch)
+            check_int(f"verify_width[{bucket}]", width, 1, MAX_BLOCK)
+    else:
+        check_int("verify_width", value, 1, MAX_BLOCK)
+
+
+def _name(name: str, value: object, allowed: tuple[str, ...] | None = None) -> None:
+    if type(value) is not str or not value or (allowed is not None and value not in allowed):
+        choices = f"one of {', '.join(allowed)}" if allowed else "a non-empty string"
+        raise InputError(f"{name} must be {choices}, got {value!r}")
+
+
+def _kernels(value: object) -> None:
+    """A kernel backend name for every op, or a dict op -> name (`kernels.backend.select` checks the names)."""
+    if isinstance(value, Mapping):
+        for op, name in value.items():
+            _name("kernels op", op)
+            _name(f"kernels[{op!r}]", name)
+    else:
+        _name("kernels", value)
+
+
+# Per field: a check of its value, given the config whose max_batch and max_len are checked first.
+FIELD_CHECKS: dict[str, Callable[[object, RuntimeConfig], object]] = {
+    "max_batch": lambda v, c: check_int("max_batch", v, 1, MAX_ROWS),
+    "max_len": lambda v, c: check_int("max_len", v, 2, MAX_LEN),
+    "backend": lambda v, c: _name("backend", v, BACKENDS),
+    "block_size": lambda v, c: v is None or check_int("block_size", v, 1, min(MAX_BLOCK, c.max_len - 1)),
+    "batch_buckets": lambda v, c: _sizes("batch_buckets", v, 1, c.max_batch),
+    "length_buckets": lambda v, c: _sizes("length_buckets", v, 2, c.max_len),
+    "compile_backend": lambda v, c: _name("compile_backend", v),
+    "verify_width": lambda v, c: _verify_width(v, c.max_batch),
+    "memory_limit": lambda v, c: v is None or check_int("memory_limit", v, 0),
+    "kernels": lambda v, c: _kernels(v),
+    "emit_mask_token": lambda v, c: _flag("emit_mask_token", v),
+}
+
+
+def _flag(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise InputError(f"{name} must be True or False, got {value!r}")
+
+
+def check_config(c: object) -> RuntimeConfig:
+    """`c` if every field has its type and range; else InputError naming the first bad field."""
+    if not isinstance(c, RuntimeConfig):
+        raise InputError(f"config must be a RuntimeConfig, got {type(c).__name__}")
+    names = ["max_batch", "max_len"] + [f.name for f in fields(c) if f.name not in ("max_batch", "max_len")]
+    for name in names:  # tests/test_limits.py checks that every field has an entry
+        FIELD_CHECKS.get(name, lambda v, c: None)(getattr(c, name), c)
+    return c
+
+
+def cache_bytes(target, drafter, rows: int, max_len: int, block_size: int) -> dict[str, int]:
+    """Bytes of the preallocated state per part: KV caches (layers x rows x kv_heads x (max_len + 1)
+    x head_dim x 2 x dtype size, the + 1 a spare position that gives every length view the same
+    strides), the relay buffer and the rotary tables' growth."""
+    def kv(config, weight: torch.Tensor) -> int:
+        return (config.num_hidden_layers * rows * config.num_key_value_heads * (max_len + 1) * config.head_dim * 2
+                * weight.element_size())
+
+    parts = {"target KV cache": kv(target.config, target.lm_head.weight)}
+    if drafter is not None:
+        w = drafter.fc.weight
+        parts["drafter KV cache"] = kv(drafter.config, w)
+        parts["relay buffer"] = rows * block_size * w.shape[1] * w.element_size()
+    parts["rotary tables"] = sum(max(0, max_len - m.rotary.cos.shape[0]) * m.config.head_dim * 4 * 2
+                                 for m in (target, drafter) if m is not None and isinstance(m.rotary, Rotary))
+    return parts
+
+
+def available_bytes(device: torch.device) -> int:
+    """Free memory of `device`: free GPU memory, or MemAvailable of /proc/meminfo (free pages where
+    there is no /proc)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_memory(c: RuntimeConfig, target, drafter, block_size: int) -> int:
+    """The state's bytes, after checking them against `c.memory_limit` (default: free device memory)."""
+    parts = cache_bytes(target, drafter, c.max_batch, c.max_len, block_size)
+    need = sum(parts.values())
+    device = target.lm_head.weight.device
+    limit = c.memory_limit if c.memory_limit is not None else available_bytes(device)
+    if need > limit:
+        detail = ", ".join(f"{k} {v / GIB:.2f}" for k, v in parts.items() if v)
+        source = "memory_limit" if c.memory_limit is not None else f"free memory on {device}"
+        raise InputError(f"max_batch {c.max_batch} x max_len {c.max_len} needs {need / GIB:.2f} GiB ({detail}), "
+                         f"more than the {limit / GIB:.2f} GiB of {source}: lower max_batch or max_len")
+    return need
+
+
+@contextmanager
+def rotary_growth(length: int, *models) -> Iterator[None]:
+    """Grow the rotary tables of `models` to `length` for the body; if the body fails, put the old
+    tables back, so that a failed Runtime leaves the models it shares as they were."""
+    before = [(m.rotary, m.rotary.cos, m.rotary.sin) for m in models if isinstance(getattr(m, "rotary", None), Rotary)]
+    try:
+        reserve_positions(length, *models)
+        yield
+    except BaseException:
+        for rotary, cos, sin in before:
+            rotary.cos, rotary.sin = cos, sin
+        raise

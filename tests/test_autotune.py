@@ -1,0 +1,105 @@
+"""Autotune: the loader reads what the job writes, falls back loudly, and the job keeps only faster
+lossless knobs (the tiny fixture models, with a timer that says which candidate is fast)."""
+
+import json
+import logging
+import random
+
+import pytest
+
+from dflow_rt.autotune import configs
+from dflow_rt.autotune.configs import TunedConfig, apply, entry_key, load_tuned, store, tuned_for
+from dflow_rt.autotune.job import Axis, Tuner
+from dflow_rt.config import RuntimeConfig
+from tests.conftest import FIXTURES
+
+TARGET, DRAFTER = FIXTURES / "target", FIXTURES / "drafter"
+DEFAULT = TunedConfig("float32", 1)
+PROMPTS = [[random.Random(i).randrange(23) for _ in range(6 + i)] for i in range(2)]
+
+
+def fixed_speed(speeds: dict, knob=lambda point, rows: point.length_step):
+    """A timer that reports tokens/s by knob value (default: length_step), whatever the wall clock says."""
+    def timer(point, rows, run):
+        tokens = run()
+        return tokens, tokens / speeds.get(knob(point, rows), 100.0)
+    return timer
+
+
+def tuner(reference_pair, speeds: dict, axes, cls=Tuner, **kw) -> Tuner:
+    return cls(lambda dtype: reference_pair, PROMPTS, [1, 2], DEFAULT, axes, max_new=40, repeats=3, max_len=128,
+               timer=fixed_speed(speeds, **kw), progress=False)
+
+
+class WithLossyCandidate(Tuner):
+    """length_step 32 stands for a candidate that changes the tokens."""
+
+    def decode(self, point, group, ar=False):
+        tokens, tps = super().decode(point, group, ar)
+        return ([[(t + 1) % 23 for t in row] for row in tokens] if point.length_step == 32 else tokens), tps
+
+
+def test_picks_the_faster_candidate_and_never_a_lossy_one(reference_pair):
+    axes = [Axis("length_step", (32, 128, 256))]
+    result = tuner(reference_pair, {None: 100.0, 32: 400.0, 128: 200.0, 256: 150.0}, axes, WithLossyCandidate).search()
+    status = {t["knobs"]["length_step"]: t["status"] for t in result.trials}
+    assert status[32].startswith("lossy") and status[128] == status[256] == "measured"
+    assert result.tuned.length_step == 128 and not result.kept_default
+    assert all(p.ratio == pytest.approx(2.0) for p in result.final.values())
+
+
+def test_keeps_the_default_when_nothing_beats_its_noise(reference_pair):
+    result = tuner(reference_pair, {None: 100.0, 128: 101.0}, [Axis("length_step", (128,))]).search()
+    assert result.kept_default and result.tuned == DEFAULT
+
+
+def test_verify_width_is_chosen_per_batch_bucket(reference_pair):
+    speeds = {(1, 4): 300.0, (1, 8): 200.0, (2, 8): 300.0, (2, 4): 200.0}  # the default width 16: 100
+    axes = [Axis("verify_width", (8, 4), per_bucket=True)]
+    result = tuner(reference_pair, speeds, axes, knob=lambda point, rows: (rows, dict(point.verify_width).get(rows))
+                   ).search()
+    assert dict(result.tuned.verify_width) == {1: 4, 2: 8} and not result.kept_default
+
+
+def test_loader_round_trips_what_the_job_writes(reference_pair, tmp_path, caplog):
+    result = tuner(reference_pair, {None: 100.0, 128: 300.0}, [Axis("length_step", (128,))]).search()
+    name = configs.device_name("cpu")
+    entry = {"dtype": result.tuned.dtype, "knobs": {result.tuned.dtype: result.record(16)}}
+    path = store(entry, entry_key(TARGET, DRAFTER), name, tmp_path)
+    with caplog.at_level(logging.INFO, logger="dflow_rt.autotune.configs"):
+        loaded = load_tuned(TARGET, DRAFTER, "cpu", directory=tmp_path)
+    assert loaded == TunedConfig("float32", 1, "eager", ((1, 16), (2, 16)), 128) and loaded.path == path
+    assert str(path) in caplog.text
+    config = apply(RuntimeConfig(max_batch=4, max_len=512), loaded)
+    assert config.verify_width == {1: 16, 2: 16, 4: 16} and config.length_buckets == (128, 256, 384)
+    bucket = json.loads(path.read_text())["entries"][entry_key(TARGET, DRAFTER)]["knobs"]["float32"]["buckets"]["1"]
+    assert bucket["tuned_tokens_per_s"] == pytest.approx(3 * bucket["default_tokens_per_s"], rel=1e-3)
+
+
+def test_missing_or_corrupt_file_falls_back_with_a_log_line(tmp_path, caplog):
+    with caplog.at_level(logging.INFO, logger="dflow_rt.autotune.configs"):
+        assert load_tuned(TARGET, DRAFTER, "cpu", directory=tmp_path) is None
+        assert "no tuned file" in caplog.text
+        (tmp_path / f"{configs.device_key(configs.device_name('cpu'))}.json").write_text("{not json")
+        assert load_tuned(TARGET, DRAFTER, "cpu", directory=tmp_path) is None
+        assert "unreadable" in caplog.text
+    assert apply(RuntimeConfig(), None) == RuntimeConfig()
+
+
+def test_keys_differ_by_device_name(tmp_path, monkeypatch, reference_pair):
+    a, b = "AMD EPYC (2 cores)", "Intel(R) Xeon(R) Platinum 8480+ (2 cores)"
+    assert configs.device_key(a) != configs.device_key(b)
+    for name, backend in ((a, "compile"), (b, "eager")):
+        knobs = {"backend": backend, "threads": 1, "length_step": None, "buckets": {"1": {"verify_width": 4}}}
+        store({"dtype": "float32", "knobs": {"float32": knobs}}, entry_key(TARGET, DRAFTER), name, tmp_path)
+    assert len(list(tmp_path.glob("*.json"))) == 2
+    monkeypatch.setenv("DFLOW_RT_CONFIG", str(tmp_path.parent))
+    monkeypatch.setattr(configs, "tuned_dir", lambda directory=None: tmp_path)
+    for name, backend in ((a, "compile"), (b, "eager")):
+        monkeypatch.setattr(configs, "device_name", lambda device="cpu", name=name: name)
+        assert load_tuned(TARGET, DRAFTER).backend == backend
+        # the Runtime's hook: the loaded models' directories, device and dtype pick the entry
+        config = tuned_for(RuntimeConfig(max_batch=2, max_len=128), *reference_pair)
+        assert config.backend == backend and config.verify_width == {1: 4, 2: 4}
+    monkeypatch.setattr(configs, "device_name", lambda device="cpu": "NVIDIA H200")
+    assert load_tuned(TARGET, DRAFTER) is None

@@ -1,0 +1,91 @@
+"""`bench --suite e2e` on the tiny reference fixture: every method decodes AR greedy's tokens, the
+JSON's figures hang together by value, and the plots are PNGs."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import struct
+
+import pytest
+
+from dflow_rt.bench.e2e import add_e2e_args, run_e2e
+from dflow_rt.bench.report import label
+from tests.conftest import FIXTURES
+
+COLUMNS = {"target", "method", "drafter", "backend", "batch", "dtype", "k", "prompts", "calls", "tau",
+           "tokens_per_s", "ttft_ms", "acceptance_histogram", "identical", "tokens", "speedup_vs_hf",
+           "speedup_vs_ar", "ar_baseline"}
+
+
+def bench_args(argv: list[str]) -> argparse.Namespace:
+    """The bench subcommand's own flags (as `dflow-rt bench` defines them) plus the e2e ones."""
+    p = argparse.ArgumentParser()
+    for flag in ("--target", "--drafter", "--threads", "--device", "--json"):
+        p.add_argument(flag, type=int if flag == "--threads" else str, default=None)
+    p.add_argument("--backends", nargs="+", default=None)
+    p.add_argument("--batches", nargs="+", type=int, default=[1, 4])
+    add_e2e_args(p)
+    return p.parse_args(argv)
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    out = tmp_path_factory.mktemp("e2e")
+    (out / "prompts.json").write_text(json.dumps([[1, 5, 7, 2, 9, 4, 4, 8], [3, 3, 10, 12, 6], [2, 8, 1]]))
+    args = bench_args(["--targets", str(FIXTURES / "target"), "--drafters", str(FIXTURES / "drafter"),
+                       "--prompt-ids", str(out / "prompts.json"), "--prompts", "3", "--max-new-tokens", "12",
+                       "--batches", "1", "2", "--backends", "eager", "compile", "--compile-backend", "aot_eager",
+                       "--dtypes", "float32", "--verify-widths", "4", "16", "--threads", "1",
+                       "--json", str(out / "e2e.json")]
+                      + (["--plots", str(out)] if importlib.util.find_spec("matplotlib") else []))
+    run_e2e(args)
+    return json.loads((out / "e2e.json").read_text()), out
+
+
+def test_every_method_decodes_ar_greedy(result):
+    data, _ = result
+    rows = data["rows"]
+    names = {(r["method"], r["backend"], r["batch"], r["dtype"]) for r in rows}
+    assert {("hf_generate", "eager", 1, "float32"), ("hf_prompt_lookup", "eager", 1, "float32"),
+            ("reference", "eager", 1, "float32")} <= names
+    for backend in ("eager", "compile"):
+        for batch in (1, 2):
+            assert {("ar", backend, batch, "float32"), ("drafter", backend, batch, "float32")} <= names
+    assert len(rows) == len(names) == 11 and data["failures"] == data["bf16_mismatches"] == []
+    assert all(r["identical"] == 1.0 and r["prompts"] == 3 for r in rows)
+
+
+def test_columns_hang_together(result):
+    data, _ = result
+    rows = data["rows"]
+    hf = next(r for r in rows if r["method"] == "hf_generate")
+    sweep = data["targets"][str(FIXTURES / "target")]["verify_width_sweep"]["drafter"]
+    for r in rows:
+        assert COLUMNS <= set(r), label(r)
+        block = 16 if r["method"] in ("drafter", "reference", "hf_prompt_lookup") else 1
+        assert 1.0 <= r["tau"] <= block
+        assert r["tokens_per_s"] > 0 and r["ttft_ms"] > 0
+        assert r["speedup_vs_hf"] == pytest.approx(r["tokens_per_s"] / hf["tokens_per_s"])
+        base = r["ar_baseline"]
+        ar = next(a for a in rows if a["method"] == "ar" and (a["backend"], a["batch"], a["dtype"]) ==
+                  (base["backend"], base["batch"], base["dtype"]))
+        assert r["speedup_vs_ar"] == pytest.approx(r["tokens_per_s"] / ar["tokens_per_s"])
+        if r["method"] == "ar" or r["method"] == "drafter":
+            assert (base["backend"], base["batch"], base["dtype"]) == (r["backend"], r["batch"], r["dtype"])
+        if r["method"] == "drafter":
+            assert r["k"] == sweep[str(r["batch"])] and r["k"] in (4, 16)
+        # every round emits at least one token; the rounds together emitted every token but prefill's
+        assert sum(n * c for n, c in enumerate(r["acceptance_histogram"], 1)) >= r["tokens"] - r["prompts"]
+    assert all(r["acceptance_histogram"] == [r["tokens"] - r["prompts"]] for r in rows if r["method"] == "ar")
+
+
+def test_plots_are_pngs(result):
+    pytest.importorskip("matplotlib")  # the `bench` extra
+    _, out = result
+    for name in ("acceptance", "tokens_per_s", "speedup"):
+        head = (out / f"e2e_{name}.png").read_bytes()[:24]
+        assert head[:8] == b"\x89PNG\r\n\x1a\n" and head[12:16] == b"IHDR"
+        width, height = struct.unpack(">II", head[16:24])
+        assert width > 400 and height > 200
