@@ -134,6 +134,11 @@ def cmd_bench(args: argparse.Namespace) -> None:
     import random
     import tempfile
 
+    if args.suite == "e2e":
+        from dflow_rt.bench.e2e import run_e2e
+
+        return run_e2e(args)
+
     from dflow_rt.bench.runtime import bench_runtime, format_table
     from dflow_rt.data.prompts import suite_prompts
     from dflow_rt.models.init_random import init_random
@@ -202,7 +207,8 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--seed", type=int, default=0)
     c.set_defaults(run=cmd_convert)
     b = sub.add_parser("bench", help="benchmarks (figures for docs/RESULTS.md)")
-    b.add_argument("--suite", choices=["runtime"], default="runtime")
+    b.add_argument("--suite", choices=["runtime", "e2e"], default="runtime",
+                   help="runtime: phases of a round per backend; e2e: ours against transformers and prompt lookup")
     b.add_argument("--target", default=None, help="[the bundled target, with the bundled DFlash drafter]")
     b.add_argument("--drafter", default=None, help="dflash, dflow (bundled) or a drafter directory")
     b.add_argument("--random-models", action="store_true", help="random models of the bundled size instead")
@@ -213,6 +219,9 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--device", default=None)
     b.add_argument("--json", default=None, metavar="OUT")
     b.set_defaults(run=cmd_bench)
+    from dflow_rt.bench.e2e import add_e2e_args
+
+    add_e2e_args(b)
     from dflow_rt.bench.soak import add_soak_parser
     from dflow_rt.models.fetch import add_fetch_parser
     from dflow_rt.train.cli import add_train_parser

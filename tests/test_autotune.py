@@ -27,7 +27,7 @@ def fixed_speed(speeds: dict, knob=lambda point, rows: point.length_step):
 
 
 def tuner(reference_pair, speeds: dict, axes, cls=Tuner, **kw) -> Tuner:
-    return cls(lambda dtype: reference_pair, PROMPTS, [1, 2], DEFAULT, axes, max_new=40, repeats=3, max_len=128,
+    return cls(lambda dtype: reference_pair, PROMPTS, [1, 2], DEFAULT, axes, max_new=24, repeats=3, max_len=128,
                timer=fixed_speed(speeds, **kw), progress=False)
 
 
@@ -83,6 +83,12 @@ def test_missing_or_corrupt_file_falls_back_with_a_log_line(tmp_path, caplog):
         (tmp_path / f"{configs.device_key(configs.device_name('cpu'))}.json").write_text("{not json")
         assert load_tuned(TARGET, DRAFTER, "cpu", directory=tmp_path) is None
         assert "unreadable" in caplog.text
+        caplog.clear()
+        knobs = {"backend": "eager", "threads": 1, "length_step": 0, "buckets": {}}  # would make range() fail
+        store({"dtype": "float32", "knobs": {"float32": knobs}}, entry_key(TARGET, DRAFTER),
+              configs.device_name("cpu"), tmp_path)
+        assert load_tuned(TARGET, DRAFTER, "cpu", directory=tmp_path) is None
+        assert "unreadable" in caplog.text
     assert apply(RuntimeConfig(), None) == RuntimeConfig()
 
 
@@ -103,3 +109,12 @@ def test_keys_differ_by_device_name(tmp_path, monkeypatch, reference_pair):
         assert config.backend == backend and config.verify_width == {1: 4, 2: 4}
     monkeypatch.setattr(configs, "device_name", lambda device="cpu": "NVIDIA H200")
     assert load_tuned(TARGET, DRAFTER) is None
+
+
+def test_axes_vary_one_knob_or_a_joint_pair():
+    start = TunedConfig("bfloat16", 1)
+    joint = Axis("backend+dtype", (("compile", "float32"), ("compile", "bfloat16"), ("eager", "bfloat16")))
+    assert [(c.backend, c.dtype) for c in joint.candidates(start, [1, 4])] == [("compile", "float32"),
+                                                                                ("compile", "bfloat16")]
+    widths = Axis("verify_width", (8, 4), per_bucket=True).candidates(start, [1, 4])
+    assert [c.verify_width for c in widths] == [((1, 8), (4, 4)), ((1, 4), (4, 8))]

@@ -10,8 +10,10 @@ import struct
 
 import pytest
 
+from dflow_rt.bench import e2e
 from dflow_rt.bench.e2e import add_e2e_args, run_e2e
 from dflow_rt.bench.report import label
+from dflow_rt.errors import DflowError
 from tests.conftest import FIXTURES
 
 COLUMNS = {"target", "method", "drafter", "backend", "batch", "dtype", "k", "prompts", "calls", "tau",
@@ -30,16 +32,20 @@ def bench_args(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def fixture_args(out, *argv: str) -> argparse.Namespace:
+    """The reference fixture pair on token-id prompts (it has no tokenizer), plus `argv`."""
+    (out / "prompts.json").write_text(json.dumps([[1, 5, 7, 2, 9, 4, 4, 8], [3, 3, 10, 12, 6], [2, 8, 1]]))
+    return bench_args(["--targets", str(FIXTURES / "target"), "--drafters", str(FIXTURES / "drafter"),
+                       "--prompt-ids", str(out / "prompts.json"), *argv])
+
+
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
     out = tmp_path_factory.mktemp("e2e")
-    (out / "prompts.json").write_text(json.dumps([[1, 5, 7, 2, 9, 4, 4, 8], [3, 3, 10, 12, 6], [2, 8, 1]]))
-    args = bench_args(["--targets", str(FIXTURES / "target"), "--drafters", str(FIXTURES / "drafter"),
-                       "--prompt-ids", str(out / "prompts.json"), "--prompts", "3", "--max-new-tokens", "12",
-                       "--batches", "1", "2", "--backends", "eager", "compile", "--compile-backend", "aot_eager",
-                       "--dtypes", "float32", "--verify-widths", "4", "16", "--threads", "1",
-                       "--json", str(out / "e2e.json")]
-                      + (["--plots", str(out)] if importlib.util.find_spec("matplotlib") else []))
+    args = fixture_args(out, "--prompts", "3", "--max-new-tokens", "12", "--batches", "1", "2",
+                        "--backends", "eager", "compile", "--compile-backend", "aot_eager", "--dtypes", "float32",
+                        "--verify-widths", "4", "16", "--threads", "1", "--json", str(out / "e2e.json"),
+                        *(["--plots", str(out)] if importlib.util.find_spec("matplotlib") else []))
     run_e2e(args)
     return json.loads((out / "e2e.json").read_text()), out
 
@@ -89,3 +95,27 @@ def test_plots_are_pngs(result):
         assert head[:8] == b"\x89PNG\r\n\x1a\n" and head[12:16] == b"IHDR"
         width, height = struct.unpack(">II", head[16:24])
         assert width > 400 and height > 200
+
+
+def test_a_differing_output_fails_loudly(monkeypatch, tmp_path, capsys):
+    """One reference call emitting a wrong last token must fail the run and name its row."""
+    real = e2e.reference_runner
+
+    def corrupted(*args, **kwargs):
+        run = real(*args, **kwargs)
+
+        def wrong(prompts, max_new):
+            out = run(prompts, max_new)
+            out.outputs[0][-1] += 1
+            return out
+
+        return wrong
+
+    monkeypatch.setattr(e2e, "reference_runner", corrupted)
+    args = fixture_args(tmp_path, "--prompts", "2", "--max-new-tokens", "6", "--batches", "1", "--backends",
+                        "eager", "--verify-widths", "16", "--threads", "1", "--json", str(tmp_path / "e2e.json"))
+    with pytest.raises(DflowError, match="NOT LOSSLESS: 1 float32 rows"):
+        run_e2e(args)
+    assert "!! 0.0 % !!" in capsys.readouterr().out
+    data = json.loads((tmp_path / "e2e.json").read_text())
+    assert data["failures"] == [f"{FIXTURES / 'target'}: reference drafter b1 fp32"]

@@ -126,13 +126,16 @@ def load_tuned(target: str | Path | None, drafter: str | Path | None, device: ob
                               if b.get("verify_width") is not None))
         tuned = TunedConfig(dtype, int(knobs["threads"]), knobs["backend"], widths, knobs.get("length_step"),
                             knobs.get("kernels"), path)
-        if tuned.dtype not in DTYPES or tuned.backend not in BACKENDS or tuned.threads < 1:
-            raise ValueError(f"unknown dtype, backend or threads in {knobs}")
+        step, kernels = tuned.length_step, tuned.kernels
+        if (tuned.dtype not in DTYPES or tuned.backend not in BACKENDS or tuned.threads < 1
+                or any(k < 1 for _, k in widths) or not (step is None or type(step) is int and step >= 1)
+                or not (kernels is None or isinstance(kernels, str))):
+            raise ValueError(f"a knob out of range in {knobs}")
     except FileNotFoundError:
         log.info("autotune: no tuned file %s: runtime defaults", path)
         return None
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
-        log.warning("autotune: ignoring unreadable tuned file %s (%s): runtime defaults", path, err)
+        log.warning("autotune: ignoring unreadable or invalid tuned file %s (%s): runtime defaults", path, err)
         return None
     log.info("autotune: using %s knobs for %s from %s", dtype, key, path)
     return tuned

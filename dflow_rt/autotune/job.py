@@ -93,12 +93,15 @@ class Paired:
                 "ratio": round(self.ratio, 4), "noise": round(self.noise, 4)}
 
 
+def gain(paired: dict[int, Paired]) -> float:
+    """b's speed over a's across batch buckets: the geometric mean of the ratios."""
+    return math.exp(statistics.fmean(math.log(p.ratio) for p in paired.values()))
+
+
 def beats(paired: dict[int, Paired]) -> bool:
-    """b is faster than a: slower at no batch bucket, and faster overall (geometric mean) by more
-    than the noise."""
-    ratios = [p.ratio for p in paired.values()]
-    gain = math.exp(statistics.fmean(math.log(r) for r in ratios))
-    return min(ratios) > 1 and gain > 1 + statistics.fmean(p.noise for p in paired.values())
+    """b is faster than a: slower at no batch bucket, and faster overall by more than the noise."""
+    return min(p.ratio for p in paired.values()) > 1 and gain(paired) > 1 + statistics.fmean(
+        p.noise for p in paired.values())
 
 
 class Lossy(Exception):
@@ -254,11 +257,12 @@ class Tuner:
     def choose(self, axis: Axis, best: TunedConfig, measured: list[tuple[TunedConfig, dict[int, Paired]]]
                ) -> TunedConfig:
         """The axis' winner: per bucket for a per-bucket axis, else the candidate that beats the
-        incumbent by the largest overall gain; the incumbent when none beats it."""
+        incumbent; the highest gain less its noise wins (a noisy high ratio is no proof); the
+        incumbent when none beats it."""
         if axis.per_bucket:
             current = dict(getattr(best, axis.name))
             for n in self.batches:
-                wins = [(p[n].ratio, dict(getattr(c, axis.name))[n]) for c, p in measured
+                wins = [(p[n].ratio - p[n].noise, dict(getattr(c, axis.name))[n]) for c, p in measured
                         if p[n].ratio > 1 + p[n].noise]
                 if wins:
                     current[n] = max(wins)[1]
@@ -266,7 +270,7 @@ class Tuner:
                 return best
             chosen = tuple((n, current.get(n, self.block_size)) for n in self.batches)
             return dataclasses.replace(best, **{axis.name: chosen})
-        wins = [(math.prod(q.ratio for q in p.values()), c) for c, p in measured if beats(p)]
+        wins = [(gain(p) - statistics.fmean(q.noise for q in p.values()), c) for c, p in measured if beats(p)]
         return max(wins, key=lambda w: w[0])[1] if wins else best
 
     def drop(self, keep: set[TunedConfig]) -> None:

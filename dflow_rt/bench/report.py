@@ -33,8 +33,8 @@ def format_table(result: dict) -> str:
         lines.append(f"| {r['target']} | {label(r)} | {r['tau']:.2f} | {r['tokens_per_s']:.1f} | "
                      f"{r['ttft_ms']:.1f} | {hf} | {r['speedup_vs_ar']:.2f} | {same} |")
     m = result["machine"]
-    lines.append(f"\n{m['cpu']}, {m['cores']} cores, {result['settings']['threads']} threads; torch {m['torch']}, "
-                 f"transformers {m['transformers']}; {m['date']}")
+    lines.append(f"\n{m['cpu']}, {m['cores']} cores, torch threads {result['settings']['threads']}; "
+                 f"torch {m['torch']}, transformers {m['transformers']}; {m['date']}")
     lines += [f"note: {n}" for n in result["notes"]]
     return "\n".join(lines)
 
