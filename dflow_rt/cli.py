@@ -222,10 +222,12 @@ def parser() -> argparse.ArgumentParser:
     from dflow_rt.bench.e2e import add_e2e_args
 
     add_e2e_args(b)
+    from dflow_rt.autotune.cli import add_autotune_parser
     from dflow_rt.bench.soak import add_soak_parser
     from dflow_rt.models.fetch import add_fetch_parser
     from dflow_rt.train.cli import add_train_parser
 
+    add_autotune_parser(sub)
     add_fetch_parser(sub)
     add_soak_parser(sub)
     add_train_parser(sub)

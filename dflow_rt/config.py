@@ -29,6 +29,9 @@ class RuntimeConfig:
     kernels: the fused ops of the round (`dflow_rt.kernels`: attention, sample, commit; rmsnorm is
     not wired yet): "auto" (FlashInfer attention and Triton on CUDA where they import, plain
     torch elsewhere), "torch", "triton", or a dict op -> backend; resolved once at construction.
+    tuned: take the backend, verify widths, length spacing and kernels that `dflow-rt autotune`
+    chose for these models on this device, when it wrote any (`dflow_rt.tuned`; the file used,
+    or the fallback to these defaults, is logged).
     emit_mask_token: by default the target never chooses the drafter's mask token (it is no text,
     and a block would read it as a hole); True lets it, as the public DFlash implementation does,
     which matters only where the mask token is an ordinary vocabulary entry (tiny test models).
@@ -46,6 +49,7 @@ class RuntimeConfig:
     compile_backend: str = "inductor"  # torch.compile backend; tests use "aot_eager" to check tracing fast
     verify_width: int | dict[int, int] | None = None
     emit_mask_token: bool = False
+    tuned: bool = False
     memory_limit: int | None = None  # bytes the preallocated state may take; None = the device's free memory
     kernels: str | dict[str, str] = "auto"
 

@@ -75,6 +75,7 @@ FIELD_CHECKS: dict[str, Callable[[object, RuntimeConfig], object]] = {
     "memory_limit": lambda v, c: v is None or check_int("memory_limit", v, 0),
     "kernels": lambda v, c: _kernels(v),
     "emit_mask_token": lambda v, c: _flag("emit_mask_token", v),
+    "tuned": lambda v, c: _flag("tuned", v),
 }
 
 

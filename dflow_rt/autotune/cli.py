@@ -17,7 +17,6 @@ def cmd_autotune(args: argparse.Namespace) -> None:
 
     import torch
 
-    from dflow_rt.autotune.configs import TunedConfig, device_name, entry_key, model_id, store
     from dflow_rt.autotune.job import Tuner, default_axes
     from dflow_rt.data.prompts import suite_prompts
     from dflow_rt.errors import DflowError
@@ -25,6 +24,7 @@ def cmd_autotune(args: argparse.Namespace) -> None:
     from dflow_rt.models.checkpoint import default_dtype, load_drafter, load_target
     from dflow_rt.threads import set_threads
     from dflow_rt.tokenizer import load_tokenizer
+    from dflow_rt.tuned import TunedConfig, device_name, entry_key, model_id, store
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():

@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
-from dflow_rt.autotune.configs import TunedConfig, apply
 from dflow_rt.config import RuntimeConfig
 from dflow_rt.errors import InputError
 from dflow_rt.runtime import Runtime
+from dflow_rt.tuned import TunedConfig, apply
 
 MIN_NOISE = 0.02  # paired ratios within 2 % are noise on any machine we measured: a win must clear it
 Timer = Callable[[TunedConfig, int, Callable[[], int]], tuple[int, float]]  # (point, rows, step) -> (tokens, s)
