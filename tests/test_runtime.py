@@ -62,18 +62,21 @@ def test_backends_match_reference_round(reference_pair, backend):
 
 def test_inductor_round_matches_reference_round(reference_pair):
     """The real compiler path (inductor, frozen weights, symbolic cache length, the sampler
-    behind torch.cond), one bucket: greedy rounds as the reference, sampled ones as eager."""
+    behind torch.cond), one batch bucket of 2 rows: greedy rounds as the reference, sampled ones as
+    eager, three requests sharing the two rows."""
     target, drafter = reference_pair
-    rt = Runtime(target, drafter, RuntimeConfig(max_batch=1, max_len=160, backend="compile", length_buckets=(64,)))
+    rt = Runtime(target, drafter, RuntimeConfig(max_batch=2, batch_buckets=(2,), max_len=160, backend="compile",
+                                                length_buckets=(64,)))
     used = record_buckets(rt)
     outs, counts = per_round(rt, [c["prompt_ids"] for c in CASES[:3]], 64)
     for case, out, cnt in zip(CASES[:3], outs, counts, strict=True):
         ref = dflow_rt.generate(target, drafter, case["prompt_ids"], max_new_tokens=64)
         assert out == ref.token_ids == case["output_ids"] and cnt == reference_counts(ref)
     assert {L for _, L in used} == {64, 160}
-    eager = Runtime(target, drafter, RuntimeConfig(max_batch=1, max_len=160))
+    eager = Runtime(target, drafter, RuntimeConfig(max_batch=2, max_len=160))
     kw = {"max_new_tokens": 48, "temperature": 1.0, "top_p": 0.9, "seed": 3}
-    assert rt.generate([CASES[0]["prompt_ids"]], **kw) == eager.generate([CASES[0]["prompt_ids"]], **kw)
+    pair = [CASES[0]["prompt_ids"], CASES[1]["prompt_ids"]]
+    assert rt.generate(pair, **kw) == eager.generate(pair, **kw)
 
 
 @pytest.mark.parametrize("backend", ["eager", "compile"])
