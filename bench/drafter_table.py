@@ -1,6 +1,7 @@
 """The DFlash vs DFlow table of docs/RESULTS.md: tau on every held-out suite, greedy and T = 1.
 
-Rows: DFlash, DFlow, DFlow with its relay off. Per-prompt differences are paired (the same prompts and,
+Rows: DFlash, DFlow, DFlow with its relay off (DFlash's own figures when DFlow's shared weights are
+DFlash's: a relay trained alone on top of it). Per-prompt differences are paired (the same prompts and,
 at T = 1, the same per-prompt seeds, hence the same text; see dflow_rt/eval/tau.py), reported as
 mean +- standard error. Also the relay diagnostics of dflow_rt/eval/diagnose.py (greedy).
 
@@ -39,6 +40,13 @@ def paired(a: list[float], b: list[float]) -> tuple[float, float]:
     return mean(diff), sem(diff)
 
 
+def same_base(dflash, dflow) -> bool:
+    """Whether the DFlow drafter's shared weights are the DFlash drafter's (a relay trained alone on top of
+    it): then "DFlow, relay off" decodes exactly as DFlash and is not measured twice."""
+    a, b = dflash.state_dict(), {k: v for k, v in dflow.state_dict().items() if not k.startswith("relay.")}
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def training_kind_prompts(tokenizer, kind: str, first: int, limit: int) -> list[list[int]]:
     """`limit` prompts of one kind from the drafters' training generator (`train regen`, seed 0), from prompt
     index `first` on: unseen by training when `first` is past every regen run's last index. The chat and
@@ -74,10 +82,12 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     tdir = target_dir(args.target)
     target, tokenizer = load_target(tdir, device=args.device), load_tokenizer(tdir)
-    drafters = {"dflash": load_drafter(drafter_dir(args.dflash), target),
-                "dflow": load_drafter(drafter_dir(args.dflow), target)}
+    drafters = {"dflash": load_drafter(drafter_dir(args.dflash, args.target), target),
+                "dflow": load_drafter(drafter_dir(args.dflow, args.target), target)}
     stops = tuple(stop_token_ids(tokenizer))
-    report = {"date": time.strftime("%Y-%m-%d"), "args": vars(args), "tau": {}, "paired": {}, "diagnostics": {}}
+    shared = same_base(*drafters.values())
+    report = {"date": time.strftime("%Y-%m-%d"), "args": vars(args), "dflow_base_is_dflash": shared, "tau": {},
+              "paired": {}, "diagnostics": {}}
     t0 = time.perf_counter()
 
     def save() -> None:  # after every row: a run cut short (a device's time limit) keeps what it measured
@@ -96,14 +106,16 @@ def main() -> None:
             key = f"{suite} T={T:g}"
             per = {}
             for row, name, relay in ROWS:
-                d = drafters[name]
-                with relay_off(d, not relay):
-                    r = measure_tau(target, d, prompts, suite, T, args.max_new_tokens, stops, args.batch,
-                                    progress=True)
-                per[row] = r.per_prompt
-                report["tau"].setdefault(key, {})[row] = r.summary()
-                print(f"{key:12s} {row:18s} tau {r.tau:.3f} +- {sem(r.per_prompt):.3f}  "
-                      f"({time.perf_counter() - t0:.0f} s)", flush=True)
+                if row == "DFlow, relay off" and shared:
+                    per[row], report["tau"][key][row] = per["DFlash"], report["tau"][key]["DFlash"]
+                else:
+                    with relay_off(drafters[name], not relay):
+                        r = measure_tau(target, drafters[name], prompts, suite, T, args.max_new_tokens, stops,
+                                        args.batch, progress=True)
+                    per[row] = r.per_prompt
+                    report["tau"].setdefault(key, {})[row] = r.summary()
+                    print(f"{key:12s} {row:18s} tau {r.tau:.3f} +- {sem(r.per_prompt):.3f}  "
+                          f"({time.perf_counter() - t0:.0f} s)", flush=True)
                 report["paired"][key] = {label: paired(per[a], per[b]) for label, a, b in PAIRS
                                          if a in per and b in per}
                 save()
@@ -123,6 +135,8 @@ def markdown(report: dict) -> str:
         cells = [f"{rows[r]['tau']:.3f} +- {rows[r]['tau_se']:.3f}" for r, _, _ in ROWS]
         diffs = [f"{m:+.3f} +- {s:.3f}" for m, s in report["paired"][key].values()]
         lines.append(f"| {suite} | {T} | {rows['DFlash']['prompts']} | " + " | ".join(cells + diffs) + " |")
+    if report.get("dflow_base_is_dflash"):
+        lines.append("\nDFlow's shared weights are DFlash's (its relay trained alone): relay off = DFlash exactly.")
     if not report["diagnostics"]:
         return "\n".join(lines)
     lines += ["", "| suite | drafter | rounds after a rejection | target right at rejected position | "

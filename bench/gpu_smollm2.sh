@@ -49,7 +49,7 @@ run)
   M=$STAGE/hf W=$STAGE/runs DEV=${DEVICE:-cuda}
   echo "[$(date +%T)] convert"
   python3 -c 'import sys, pathlib; from dflow_rt.models.fetch import convert_gguf
-convert_gguf(pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2]), "float32")' $STAGE/model.gguf $M
+convert_gguf(pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2]), "float32", "<empty_output>")' $STAGE/model.gguf $M
   dr train regen --target $M --out $W/data.safetensors --prompts ${PROMPTS:-768} --max-new-tokens ${NEW:-192} --batch 128 --device $DEV
   common=(--target $M --data $W/data.safetensors --device $DEV --batch ${BATCH:-16} --eval-prompts 0 --checkpoint-every 100000)
   if [ -n "${STEPS:-}" ]; then base=(--steps $STEPS) relay=(--steps $STEPS)  # dry run

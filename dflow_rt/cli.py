@@ -30,7 +30,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     block = 1 if drafter is None else (args.block_size or drafter.block_size)
     check_fits(len(ids), args.max_new_tokens, block, target.config.max_position_embeddings)  # before allocating
     config = RuntimeConfig(max_batch=1, max_len=len(ids) + args.max_new_tokens + block, backend=args.backend,
-                           block_size=args.block_size)
+                           block_size=args.block_size, verify_width=args.verify_width)
     t0 = time.perf_counter()
     rt = Runtime(target, drafter, config)
     rid = rt.add_request(ids, max_new_tokens=args.max_new_tokens, stop_token_ids=stop_token_ids(tokenizer))
@@ -104,7 +104,8 @@ def _print_tau(suite: str, e: dict) -> None:
 
 
 def _model_args(p: argparse.ArgumentParser, drafter_help: str) -> None:
-    p.add_argument("--target", default=None, help="HF model directory with its tokenizer [the bundled target]")
+    p.add_argument("--target", default=None,
+                   help="HF model directory with its tokenizer or a fetched model's name: smollm2 [the bundled target]")
     p.add_argument("--drafter", default=None, help=drafter_help)
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--threads", type=int, default=None,
@@ -169,11 +170,14 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dflow-rt", description="Block-diffusion speculative decoding runtime.")
     sub = p.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="complete a prompt with speculative decoding")
-    _model_args(g, "dflash, dflow (bundled), a drafter directory, or none for plain autoregressive decoding "
-                   "[dflash without --target, else none]")
+    _model_args(g, "dflash, dflow (bundled for the default target and smollm2), a drafter directory, or none "
+                   "for plain autoregressive decoding [dflash without --target, else none]")
     g.add_argument("--prompt", required=True)
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--block-size", type=int, default=None, help="default: the drafter's block size")
+    g.add_argument("--verify-width", type=int, default=None, metavar="K",
+                   help="verify only the first K drafted positions; a real target on CPU often decodes faster with "
+                        "4 or 8 (`dflow-rt bench --suite e2e` sweeps it) [the block size]")
     g.add_argument("--backend", choices=BACKENDS, default="eager",
                    help="eager starts at once; compile (torch.compile, 10-60 s to build) pays for long outputs; "
                         "cudagraph needs CUDA [eager]")
@@ -182,7 +186,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--quiet-stats", action="store_true", help="print the statistics line to stderr")
     g.set_defaults(run=cmd_generate)
     e = sub.add_parser("eval-tau", help="acceptance length on held-out prompt suites")
-    _model_args(e, "dflash, dflow (bundled) or a drafter directory [dflash]")
+    _model_args(e, "dflash, dflow (bundled for the default target and smollm2) or a drafter directory [dflash]")
     e.add_argument("--suite", choices=["code", "math", "chat", "all"], default="all",
                    help="code: HumanEval prompts; math: held-out word problems; chat: held-out questions [all]")
     e.add_argument("--temperature", type=float, default=0.0, help="0 = greedy [0]")

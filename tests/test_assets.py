@@ -64,6 +64,19 @@ def test_bundled_names_resolve(tmp_path, monkeypatch):
     assert bundled.target_dir(None) == ASSETS.resolve() / "target" and bundled.drafter_dir(None) is None
     assert bundled.drafter_dir("dflow") == ASSETS.resolve() / "dflow"
     assert bundled.drafter_dir(str(tmp_path)) == tmp_path  # anything else is a directory
+    assert bundled.drafter_dir("dflash", "smollm2") == ASSETS.resolve() / "smollm2" / "dflash"
+    with pytest.raises(dflow_rt.InputError, match="no bundled dflow drafter for --target /some/dir"):
+        bundled.drafter_dir("dflow", "/some/dir")
     monkeypatch.setattr(bundled, "ASSETS", tmp_path)
     with pytest.raises(dflow_rt.InputError, match="bundled dflash drafter is missing"):
         bundled.drafter_dir("dflash")
+
+
+def test_bundled_weights_stay_small():
+    """Every model the package carries is stored in bf16, within the 60 MB the wheel may spend on weights."""
+    from safetensors.torch import load_file
+
+    weights = sorted(ASSETS.rglob("*.safetensors"))
+    assert len(weights) == 5 and sum(p.stat().st_size for p in weights) <= 60e6
+    for p in weights:
+        assert {t.dtype for t in load_file(p).values()} == {torch.bfloat16}, p

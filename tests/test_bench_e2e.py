@@ -81,7 +81,9 @@ def test_columns_hang_together(result):
         if r["method"] == "ar" or r["method"] == "drafter":
             assert (base["backend"], base["batch"], base["dtype"]) == (r["backend"], r["batch"], r["dtype"])
         if r["method"] == "drafter":
-            assert r["k"] == sweep[str(r["batch"])] and r["k"] in (4, 16)
+            speeds = sweep[str(r["batch"])]
+            assert set(speeds) == {"4", "16"} and all(v > 0 for v in speeds.values())
+            assert r["k"] == int(max(speeds, key=speeds.get))  # the fastest k of the sweep
         # every round emits at least one token; the rounds together emitted every token but prefill's
         assert sum(n * c for n, c in enumerate(r["acceptance_histogram"], 1)) >= r["tokens"] - r["prompts"]
     assert all(r["acceptance_histogram"] == [r["tokens"] - r["prompts"]] for r in rows if r["method"] == "ar")

@@ -34,6 +34,17 @@ def test_generate_json_is_lossless_and_complete(demo_models, capsys):
     assert spec["tau"] == pytest.approx(sum(spec["acceptance_lengths"]) / len(spec["acceptance_lengths"]), abs=1e-3)
 
 
+def test_generate_verify_width(capsys):
+    """--verify-width K: the bundled pair's rounds emit at most K tokens (K - 1 drafts and the bonus),
+    the tokens stay the target's own greedy ones."""
+    args = ["--chat", "--prompt", "Victor has 82 buttons. He gets 47 more. How many buttons does Victor have now?",
+            "--max-new-tokens", "40"]
+    full, narrow = run_json(capsys, *args), run_json(capsys, *args, "--verify-width", "2")
+    assert narrow["token_ids"] == full["token_ids"] and max(full["acceptance_lengths"]) > 2
+    assert max(narrow["acceptance_lengths"]) == 2
+    assert len(narrow["acceptance_lengths"]) > len(full["acceptance_lengths"])
+
+
 def test_generate_text_and_chat(demo_models, capsys):
     target_dir, drafter_dir = demo_models
     assert main(["generate", "--target", str(target_dir), "--drafter", str(drafter_dir), "--prompt", "hello",

@@ -50,6 +50,8 @@ def test_written_directory(smollm2):
     assert {"config.json", "model.safetensors", "tokenizer.json", "chat_template.jinja",
             "generation_config.json", fetch.MANIFEST} <= {p.name for p in path.iterdir()}
     assert all(10 <= len(p) <= 40 for p in prompts) and prompts[-1][-4:] == tok.encode("<|im_start|>assistant\n")
+    # the drafters' mask token: a special token of the vocabulary that the model does not write
+    assert (tok.mask_token, tok.mask_token_id) == ("<empty_output>", 16) and fetch.manifest(path)["format"] == 2
 
 
 def test_logits_match_transformers(smollm2):
@@ -126,3 +128,23 @@ def test_target_dir_asks_for_a_fetch(tmp_path, monkeypatch):
     with pytest.raises(InputError, match="run `dflow-rt fetch-model smollm2`"):
         target_dir("smollm2")
     assert target_dir(str(tmp_path)) == tmp_path and target_dir(None).name == "target"
+
+
+def test_bundled_drafters_are_lossless_and_draft(smollm2):
+    """The SmolLM2 drafters shipped in the package: `--drafter dflash|dflow` with `--target smollm2` finds
+    them, decoding with either emits exactly the target's greedy tokens, and both draft (tau above 1)."""
+    from dflow_rt.data.prompts import suite_prompts
+    from dflow_rt.models.bundled import drafter_dir
+
+    path, target, _, tok, prompts = smollm2
+    code = suite_prompts(tok, "code", 2)
+    for name in ("dflash", "dflow"):
+        drafter = dflow_rt.load_drafter(drafter_dir(name, "smollm2"), target)
+        assert drafter_dir(name, "smollm2").parent.name == "smollm2" and drafter.block_size == 16
+        assert (drafter.relay is not None) == (name == "dflow") and drafter.config.mask_token_id == 16
+        taus = []
+        for ids in prompts[:2] + code:
+            spec = dflow_rt.generate(target, drafter, ids, max_new_tokens=32)
+            assert spec.token_ids == dflow_rt.generate(target, None, ids, max_new_tokens=32).token_ids
+            taus.append(spec.tau)
+        assert sum(taus) / len(taus) > 1.2, taus  # a drafter that never hits: 1.0

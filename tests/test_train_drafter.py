@@ -505,3 +505,40 @@ def test_target_dtype_option_trains_and_is_kept_on_resume(tiny_dir, data_file, d
     records = log(out)
     assert records[0]["settings"]["target_dtype"] == "bfloat16"
     assert all(torch.isfinite(torch.tensor(r["loss1"])) for r in records if r["event"] == "draft")
+
+
+# ------------------------------------------------------------------------------------- cached features
+
+def test_cached_features_equal_the_inference_forward_and_train_as_online(tiny_dir, data_file, tmp_path,
+                                                                         monkeypatch):
+    """`train features` stores, per sequence, the target's own forward features (bf16-rounded); a DFlash
+    run on them never runs the target in its updates and follows the online run's losses to bf16
+    rounding; a cache of other layers or data is refused."""
+    from dflow_rt.train import objective
+    from dflow_rt.train.features import load_features
+
+    cache = tmp_path / "feats.safetensors"
+    assert run_cli(["features", "--target", str(tiny_dir), "--data", str(data_file), "--out", str(cache),
+                    "--layers", "2", "--threads", "1"]) == 0
+    feats, target = load_features(cache, tiny_dir, data_file, (2,)), dflow_rt.load_target(tiny_dir)
+    seqs = sequences.load_sequences(data_file)
+    for i in range(len(seqs)):
+        ids = seqs[i][None]
+        _, ref = target(ids, torch.arange(ids.shape[1])[None], layer_ids=(2,))
+        got = feats[int(seqs.offsets[i]):int(seqs.offsets[i + 1])]
+        torch.testing.assert_close(got.float(), ref[0].bfloat16().float(), atol=0.02, rtol=0.02)
+    with pytest.raises(InputError, match="layer_ids"):
+        load_features(cache, tiny_dir, data_file, (1,))
+    with pytest.raises(InputError, match="data_digest"):
+        load_features(cache, tiny_dir, tiny_dir / "model.safetensors", (2,))
+    curves, passes, context = {}, [], objective.target_context
+    monkeypatch.setattr(objective, "target_context", lambda *a: passes.append(1) or context(*a))
+    for name, extra in (("online", []), ("cached", ["--features", str(cache)])):
+        out, passes[:] = tmp_path / name, []
+        assert run_cli(["dflash", "--target", str(tiny_dir), "--data", str(data_file), "--out", str(out), *RUN,
+                        "--steps", "6", *extra]) == 0
+        curves[name] = [r["last_loss"] for r in log(out) if r["event"] == "train"]
+        curves[name + " passes"] = len(passes)
+    assert curves["online passes"] - curves["cached passes"] == 6  # the end-of-run evaluation runs it in both
+    assert len(curves["cached"]) == 6 and curves["cached"][-1] < curves["cached"][0]
+    torch.testing.assert_close(torch.tensor(curves["cached"]), torch.tensor(curves["online"]), atol=0.05, rtol=0.02)

@@ -33,7 +33,7 @@ def cmd_autotune(args: argparse.Namespace) -> None:
                 for k, v in (QUICK if args.quick else FULL).items()}
     target_path = target_dir(args.target)
     spec = args.drafter or ("dflash" if args.target is None else "none")
-    drafter_path = None if spec == "none" else drafter_dir(spec)
+    drafter_path = None if spec == "none" else drafter_dir(spec, args.target)
     models: dict[str, tuple] = {}
 
     def load(dtype: str) -> tuple:

@@ -29,11 +29,11 @@ import torch
 from tqdm import tqdm
 
 from dflow_rt.bench.decoders import Run, Runner, hf_runner, reference_runner, runtime_runner
-from dflow_rt.bench.report import bf16_matmul, format_table, label, machine
+from dflow_rt.bench.report import best_width, bf16_matmul, format_table, format_widths, label, machine
 from dflow_rt.errors import CheckpointError, DflowError, InputError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-BUNDLED_PAIR = ("dflash", "dflow")  # the bundled target's drafters, benchmarked by default
+BUNDLED_PAIR = ("dflash", "dflow")  # the drafters bundled for a target, benchmarked by default
 WARMUP_TOKENS = 8
 
 
@@ -105,6 +105,7 @@ def run_e2e(args: argparse.Namespace) -> dict:
                      "bf16 any other kernel or shape (batch, compiled kernels, k positions per pass) rounds "
                      "differently and flips near-tie argmaxes, our own AR included; float32 rows are exact")
     print(format_table(result))
+    print(format_widths(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     if args.plots:
@@ -123,7 +124,7 @@ def run_e2e(args: argparse.Namespace) -> dict:
 def bench_target(spec: str, args, device: torch.device, backends: list[str], dtypes: list[str],
                  notes: list[str]) -> tuple[list[dict], dict]:
     """Every method on one target: build all, sweep k, warm up, measure interleaved, summarise."""
-    from dflow_rt.models.bundled import target_dir
+    from dflow_rt.models.bundled import bundled_targets, target_dir
     from dflow_rt.models.checkpoint import load_target
 
     clock = [time.perf_counter()]
@@ -135,7 +136,8 @@ def bench_target(spec: str, args, device: torch.device, backends: list[str], dty
     path = target_dir(None if spec == "bundled" else spec)
     targets = {d: load_target(path, dtype=DTYPES[d], device=device) for d in dtypes}
     prompts, stops = load_prompts(path, args)
-    specs = args.drafters or ([args.drafter] if args.drafter else BUNDLED_PAIR if spec == "bundled" else [])
+    specs = args.drafters or ([args.drafter] if args.drafter else
+                              BUNDLED_PAIR if spec == "bundled" or spec in bundled_targets() else [])
     drafters = load_drafters(spec, specs, targets, notes)
     block = max([d.block_size for d in drafters[dtypes[0]].values()] or [1])
     max_len = max(map(len, prompts)) + args.max_new_tokens + 2 * block
@@ -156,7 +158,7 @@ def bench_target(spec: str, args, device: torch.device, backends: list[str], dty
         methods.append(Method("ar", backend, batch, dtype, runtime_runner(
             target, None, backend, batch, max_len, stops, compile_backend=args.compile_backend)))
         for name, drafter in drafters.get(dtype, {}).items():
-            k = widths[name][batch]
+            k = best_width(widths[name][batch])
             methods.append(Method(name, backend, batch, dtype, runtime_runner(
                 target, drafter, backend, batch, max_len, stops, k, args.compile_backend), name, k))
     for dtype in dtypes:
@@ -194,7 +196,7 @@ def load_drafters(spec: str, specs, targets: dict, notes: list[str]) -> dict[str
         name = s if s in BUNDLED_DRAFTERS else Path(s).name
         try:
             for dtype, target in targets.items():
-                out[dtype][name] = load_drafter(drafter_dir(s), target)
+                out[dtype][name] = load_drafter(drafter_dir(s, None if spec == "bundled" else spec), target)
         except (CheckpointError, InputError) as err:
             notes.append(f"{spec}: drafter {s} skipped ({err})")
     if not specs:
@@ -208,25 +210,26 @@ def load_hf(path: Path, device: torch.device):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
 
 
-def sweep_widths(spec: str, target, drafters: dict, args, prompts, max_len: int, stops) -> dict[str, dict[int, int]]:
-    """{drafter: {batch: k}}: the verify width that decoded fastest on the first two prompts
-    (eager, float32 when measured, every k interleaved). Eager rounds are quick to build; they
-    are only a guide for the compiled ones, whose fixed cost per round is smaller."""
-    best: dict[str, dict[int, int]] = {}
+def sweep_widths(spec: str, target, drafters: dict, args, prompts, max_len: int,
+                 stops) -> dict[str, dict[int, dict[int, float | None]]]:
+    """{drafter: {batch: {k: decode tokens/s}}} of every verify width on the first two prompts (eager,
+    float32 when measured, every k interleaved); the fastest k is the one the table's rows use. Eager
+    rounds are quick to build; they are only a guide for the compiled ones, whose fixed cost per round
+    is smaller. A single k is not timed (None)."""
+    speeds: dict[str, dict[int, dict[int, float | None]]] = {}
     for name, drafter in drafters.items():
         ks = sorted({min(k, drafter.block_size) for k in args.verify_widths})
-        best[name] = {}
+        speeds[name] = {}
         for batch in sorted(args.batches):
             if len(ks) == 1:
-                best[name][batch] = ks[0]
+                speeds[name][batch] = {ks[0]: None}
                 continue
             rows = [prompts[i % min(2, len(prompts))] for i in range(max(4, 2 * batch))]
             methods = [Method(name, "eager", batch, "float32", runtime_runner(
                 target, drafter, "eager", batch, max_len, stops, k), name, k) for k in ks]
             measure(methods, rows, args.max_new_tokens, batch, f"{spec}: {name} batch {batch}: k in {ks}")
-            speed = {m.k: median_tokens_per_s(m) for m in methods}
-            best[name][batch] = max(speed, key=speed.get)
-    return best
+            speeds[name][batch] = {m.k: round(median_tokens_per_s(m), 2) for m in methods}
+    return speeds
 
 
 def measure(methods: list[Method], prompts: list[list[int]], max_new: int, group: int, desc: str) -> None:

@@ -39,6 +39,23 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def best_width(speeds: dict) -> int | str:
+    """The fastest verify width of one sweep (the only one when nothing was timed)."""
+    return max(speeds, key=lambda k: speeds[k] or 0.0)
+
+
+def format_widths(result: dict) -> str:
+    """Decode tokens/s against the verify width k (the sweep that chose each drafted row's k)."""
+    lines = ["\n| target | drafter | batch | tokens/s at k (eager, float32) | chosen k |", "|---|---|---|---|---|"]
+    for target, info in result["targets"].items():
+        for name, batches in info["verify_width_sweep"].items():
+            for batch, speeds in batches.items():
+                timed = {k: v for k, v in speeds.items() if v is not None}
+                cells = ", ".join(f"k={k}: {v:.1f}" for k, v in timed.items()) or "one k, not swept"
+                lines.append(f"| {target} | {name} | {batch} | {cells} | {best_width(speeds)} |")
+    return "\n".join(lines)
+
+
 def bf16_matmul(device: torch.device) -> bool:
     """Whether `device` multiplies bf16 matrices natively (on CPU: oneDNN's check for AVX512-BF16/AMX)."""
     if device.type == "cuda":

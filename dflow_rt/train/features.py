@@ -1,0 +1,103 @@
+"""Cached target features: the frozen target's context pass over a sequence file, computed once.
+
+A DFlash update reads the target only through its features at the conditioning layers over the
+clean sequence, and those never change while the drafter trains. On a real target that pass is
+most of an update's cost (SmolLM2-135M: ~200 MFLOP a token through 28 of its 30 layers, against a
+few MFLOP for a 2-layer drafter), and every epoch would pay it again. `dflow-rt train features`
+runs it once and stores the features in bfloat16, row-aligned with the sequence file's tokens;
+`train dflash --features FILE` then never runs the target. DFlow rounds still run it online: their
+verify pass needs the target's keys and values, which cost ~10x the features to keep.
+
+File: safetensors with `features` bf16 [total tokens, K * hidden]; metadata `features` holds JSON
+(target and data digests, layer ids) that a training run checks before trusting the file.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from dflow_rt.errors import InputError
+from dflow_rt.train.sequences import Sequences, file_digest, load_sequences, model_digest
+
+
+def _meta(target_dir: Path, data: Path, layer_ids: tuple[int, ...]) -> dict:
+    return {"target_digest": model_digest(target_dir), "data_digest": file_digest(data), "layer_ids": list(layer_ids)}
+
+
+@torch.inference_mode()
+def write_features(target_dir: str | Path, data: str | Path, out: str | Path, layer_ids: tuple[int, ...],
+                   tokens_per_batch: int = 4096, threads: int | None = None, device: str = "cpu") -> Path:
+    """Features of every sequence of `data` at `layer_ids` (the target's float32 pass, stored as bf16).
+
+    Sequences go in length order, several per pass (right padding cannot reach earlier positions
+    of a causal pass), so the result equals one pass per sequence.
+    """
+    from tqdm import tqdm
+
+    from dflow_rt.models.checkpoint import load_target
+    from dflow_rt.train.objective import target_context
+
+    target_dir, data, out = Path(target_dir), Path(data), Path(out)
+    if threads:
+        torch.set_num_threads(threads)
+    target = load_target(target_dir, device=device)
+    n_layers = target.config.num_hidden_layers
+    if not layer_ids or any(not 0 <= i < n_layers for i in layer_ids):
+        raise InputError(f"layer ids {list(layer_ids)}: the target has layers 0..{n_layers - 1}")
+    seqs = load_sequences(data)
+    lengths = seqs.lengths()
+    feats = torch.empty(int(seqs.offsets[-1]), len(layer_ids) * target.config.hidden_size, dtype=torch.bfloat16)
+    order = sorted(range(len(seqs)), key=lambda i: -int(lengths[i]))
+    bar = tqdm(total=len(feats), unit="token", unit_scale=True, desc="features")
+    k = 0
+    while k < len(order):
+        width = int(lengths[order[k]])
+        rows = order[k:k + max(1, tokens_per_batch // width)]
+        ids = torch.zeros(len(rows), width, dtype=torch.long)
+        for j, i in enumerate(rows):
+            ids[j, :int(lengths[i])] = seqs[i]
+        f, _ = target_context(target, ids.to(device), tuple(layer_ids))
+        for j, i in enumerate(rows):
+            feats[int(seqs.offsets[i]):int(seqs.offsets[i + 1])] = f[j, :int(lengths[i])].to("cpu", torch.bfloat16)
+        bar.update(int(lengths[rows].sum()))
+        k += len(rows)
+    bar.close()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    save_file({"features": feats}, str(tmp),
+              metadata={"features": json.dumps(_meta(target_dir, data, tuple(layer_ids)))})
+    tmp.replace(out)
+    return out
+
+
+def load_features(path: str | Path, target_dir: str | Path, data: str | Path,
+                  layer_ids: tuple[int, ...]) -> torch.Tensor:
+    """The cached features, after checking they belong to this target, this data and these layers."""
+    path = Path(path)
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = json.loads((f.metadata() or {}).get("features", "null"))
+            feats = f.get_tensor("features") if meta else None
+    except (OSError, ValueError) as err:
+        raise InputError(f"--features {path}: unreadable ({err})") from None
+    if meta is None:
+        raise InputError(f"--features {path}: not written by `dflow-rt train features`")
+    want = _meta(Path(target_dir), Path(data), tuple(layer_ids))
+    clash = [f"{k} {meta.get(k)} (this run: {v})" for k, v in want.items() if meta.get(k) != v]
+    if clash:
+        raise InputError(f"--features {path} was computed for another run: " + ", ".join(clash))
+    return feats
+
+
+def gather(feats: torch.Tensor, seqs: Sequences, rows: list[int], width: int) -> torch.Tensor:
+    """[len(rows), width, K*H] bf16 features of `rows`, zero-padded like `anchors.collate`'s ids."""
+    out = torch.zeros(len(rows), width, feats.shape[1], dtype=feats.dtype)
+    for j, i in enumerate(rows):
+        a, b = int(seqs.offsets[i]), int(seqs.offsets[i + 1])
+        out[j, :b - a] = feats[a:b]
+    return out
