@@ -65,6 +65,7 @@ def test_bundled_names_resolve(tmp_path, monkeypatch):
     assert bundled.drafter_dir("dflow") == ASSETS.resolve() / "dflow"
     assert bundled.drafter_dir(str(tmp_path)) == tmp_path  # anything else is a directory
     assert bundled.drafter_dir("dflash", "smollm2") == ASSETS.resolve() / "smollm2" / "dflash"
+    assert bundled.drafter_dir("dflash", str(ASSETS / "target")) == ASSETS.resolve() / "dflash"
     with pytest.raises(dflow_rt.InputError, match="no bundled dflow drafter for --target /some/dir"):
         bundled.drafter_dir("dflow", "/some/dir")
     monkeypatch.setattr(bundled, "ASSETS", tmp_path)

@@ -32,6 +32,8 @@ def drafter_dir(spec: str | None, target: str | None = None) -> Path | None:
     if spec is None:
         return None
     if spec in BUNDLED_DRAFTERS:
+        if target and Path(target).resolve() == (ASSETS / "target").resolve():
+            target = None  # the bundled target named by its directory
         if target and target not in bundled_targets():
             raise InputError(f"no bundled {spec} drafter for --target {target} (bundled for: the default target, "
                              f"{', '.join(bundled_targets())}): pass a drafter directory")
