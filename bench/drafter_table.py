@@ -74,6 +74,8 @@ def main() -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda [cpu]")
     p.add_argument("--batch", type=int, default=8, help="prompts decoded together [8]")
     p.add_argument("--json", default=None)
+    p.add_argument("--full-vocab", action="store_true",
+                   help="draft over the whole vocabulary even where a drafter has a draft_vocab.json")
     p.add_argument("--training-prompts-from", type=int, default=None, metavar="INDEX",
                    help="measure on the training generator's prompts from INDEX on (suites train-code, ...), "
                         "not on the held-out suites: does a gain carry over from the training distribution?")
@@ -82,8 +84,8 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     tdir = target_dir(args.target)
     target, tokenizer = load_target(tdir, device=args.device), load_tokenizer(tdir)
-    drafters = {"dflash": load_drafter(drafter_dir(args.dflash, args.target), target),
-                "dflow": load_drafter(drafter_dir(args.dflow, args.target), target)}
+    drafters = {name: load_drafter(drafter_dir(spec, args.target), target, draft_vocab=not args.full_vocab)
+                for name, spec in (("dflash", args.dflash), ("dflow", args.dflow))}
     stops = tuple(stop_token_ids(tokenizer))
     shared = same_base(*drafters.values())
     report = {"date": time.strftime("%Y-%m-%d"), "args": vars(args), "dflow_base_is_dflash": shared, "tau": {},

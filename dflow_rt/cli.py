@@ -158,8 +158,9 @@ def cmd_bench(args: argparse.Namespace) -> None:
         prompt = [random.Random(0).randrange(target.config.vocab_size) for _ in range(32)]
     prompts = [prompt] * n  # one request in every row: every batch size decodes the same tokens per round
     backends = args.backends or (["eager", "compile"] + (["cudagraph"] if device == "cuda" else []))
-    result = bench_runtime(target, drafter, prompts, backends, args.batches, args.rounds)
-    result |= {"target": str(args.target or "bundled"), "drafter": str(args.drafter), "device": device}
+    result = bench_runtime(target, drafter, prompts, backends, args.batches, args.rounds, args.verify_width)
+    result |= {"target": str(args.target or "bundled"), "drafter": str(args.drafter), "device": device,
+               "verify_width": args.verify_width}
     print(format_table(result))
     if args.json:
         with open(args.json, "w") as f:
@@ -219,6 +220,8 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--backends", nargs="+", choices=["eager", "compile", "cudagraph"], default=None)
     b.add_argument("--batches", nargs="+", type=int, default=[1, 4])
     b.add_argument("--rounds", type=int, default=30)
+    b.add_argument("--verify-width", type=int, default=None, metavar="K",
+                   help="runtime: the target verifies the first K drafted positions [the whole block]")
     b.add_argument("--threads", type=int, default=None, help="CPU threads [as for generate]")
     b.add_argument("--device", default=None)
     b.add_argument("--json", default=None, metavar="OUT")

@@ -48,14 +48,27 @@ def test_bundled_drafters_are_lossless_and_accept_drafts(capsys):
         assert sum(taus) / len(taus) > 1.5  # held-out word problems (a drafter that never hits: 1.0)
 
 
-def test_bench_cli_reports_every_phase(tmp_path):
+@pytest.mark.parametrize("width", [None, 2])
+def test_bench_cli_reports_every_phase(tmp_path, monkeypatch, width):
+    from dflow_rt.bench import runtime as bench_runtime
+
     fixtures = Path(__file__).parent / "fixtures" / "dflash_reference"
     report = tmp_path / "bench.json"
+    extra = [] if width is None else ["--verify-width", str(width)]
+    built, real = [], bench_runtime.Runtime  # every Runtime the bench builds verifies `width` positions
+
+    def runtime(*args, **kwargs):
+        built.append(real(*args, **kwargs))
+        return built[-1]
+
+    monkeypatch.setattr(bench_runtime, "Runtime", runtime)
     assert main(["bench", "--target", str(fixtures / "target"), "--drafter", str(fixtures / "drafter"),
-                 "--backends", "eager", "--batches", "2", "--rounds", "3", "--json", str(report)]) == 0
-    rows = json.loads(report.read_text())["rows"]
-    assert [(r["backend"], r["batch"]) for r in rows] == [("eager", 2)]
+                 "--backends", "eager", "--batches", "2", "--rounds", "3", "--json", str(report), *extra]) == 0
+    result = json.loads(report.read_text())
+    rows = result["rows"]
+    assert [(r["backend"], r["batch"]) for r in rows] == [("eager", 2)] and result["verify_width"] == width
     assert {"tokens_per_s", "draft_ms", "verify_ms", "commit_ms", "host_frac"} <= rows[0].keys()
+    assert len(built) == 2 and all(rt.widths == {2: width or 16} for rt in built)  # end to end, phases
 
 
 def test_bundled_names_resolve(tmp_path, monkeypatch):

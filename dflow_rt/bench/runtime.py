@@ -30,17 +30,18 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _runtime(target, drafter, backend: str, batch: int, prompts, max_new: int) -> Runtime:
+def _runtime(target, drafter, backend: str, batch: int, prompts, max_new: int, width: int | None) -> Runtime:
     max_len = max(len(p) for p in prompts) + max_new + 2 * (drafter.block_size if drafter else 1)
     rt = Runtime(target, drafter, RuntimeConfig(max_batch=batch, max_len=max_len, backend=backend,
-                                                batch_buckets=(batch,)))
+                                                batch_buckets=(batch,), verify_width=width))
     for p in prompts[:batch]:
         rt.add_request(p, max_new_tokens=max_new)
     rt.step()  # admission + prefill, not timed
     return rt
 
 
-def end_to_end(target, drafter, configs: list[tuple[str, int]], prompts, rounds: int, chunk: int = 5) -> list[dict]:
+def end_to_end(target, drafter, configs: list[tuple[str, int]], prompts, rounds: int, width: int | None = None,
+               chunk: int = 5) -> list[dict]:
     """`step()` timings of every (backend, batch) configuration, interleaved.
 
     All Runtimes are built (and compiled) first; then each runs `chunk` steps in turn until
@@ -50,7 +51,7 @@ def end_to_end(target, drafter, configs: list[tuple[str, int]], prompts, rounds:
     """
     runtimes, timers = [], []
     for backend, batch in configs:
-        rt = _runtime(target, drafter, backend, batch, prompts, max_new=rounds * 20)
+        rt = _runtime(target, drafter, backend, batch, prompts, rounds * 20, width)
         device, spent = rt.state.tokens.device, [0.0]
 
         def timed(inner, spent=spent, device=device) -> Callable[[], None]:
@@ -86,12 +87,12 @@ def end_to_end(target, drafter, configs: list[tuple[str, int]], prompts, rounds:
     return rows
 
 
-def phases(target, drafter, backend: str, batch: int, prompts, rounds: int) -> dict:
-    rt = _runtime(target, drafter, backend, batch, prompts, max_new=rounds * 20)
+def phases(target, drafter, backend: str, batch: int, prompts, rounds: int, width: int | None = None) -> dict:
+    rt = _runtime(target, drafter, backend, batch, prompts, rounds * 20, width)
     device = rt.state.tokens.device
     views = {L: rt.state.view(batch, L) for L in rt.lengths}
     mask_id = drafter.config.mask_token_id if drafter is not None else 0
-    fns = {"draft": functools.partial(batched_round.draft, target, drafter, mask_token_id=mask_id),
+    fns = {"draft": functools.partial(batched_round.draft, target, drafter, mask_token_id=mask_id, width=width),
            "verify": functools.partial(batched_round.verify, target, layer_ids=rt.layer_ids,
                                        greedy_shortcut=greedy_shortcut(device)), "commit": batched_round.commit}
     if backend != "eager":
@@ -128,14 +129,15 @@ def phases(target, drafter, backend: str, batch: int, prompts, rounds: int) -> d
 
 
 def bench_runtime(target, drafter, prompts: list[list[int]], backends: list[str], batches: list[int],
-                  rounds: int) -> dict:
-    """Figures for every (backend, batch) pair, plus the machine they were measured on."""
+                  rounds: int, width: int | None = None) -> dict:
+    """Figures for every (backend, batch) pair, plus the machine they were measured on; the target
+    verifies the first `width` drafted positions (default all)."""
     device = target.lm_head.weight.device
     configs = [(backend, batch) for backend in backends for batch in batches]
     with torch.inference_mode():
-        rows = end_to_end(target, drafter, configs, prompts, rounds)
+        rows = end_to_end(target, drafter, configs, prompts, rounds, width)
     for (backend, batch), row in zip(tqdm(configs, desc="phases"), rows, strict=True):
-        row |= {"backend": backend, "batch": batch} | phases(target, drafter, backend, batch, prompts, rounds)
+        row |= {"backend": backend, "batch": batch} | phases(target, drafter, backend, batch, prompts, rounds, width)
     return {"suite": "runtime", "rows": rows, "rounds": rounds,
             "machine": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
             or platform.machine(), "threads": torch.get_num_threads(), "torch": torch.__version__,

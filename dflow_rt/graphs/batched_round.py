@@ -25,15 +25,17 @@ from dflow_rt.kernels.commit import commit_torch
 from dflow_rt.sampling import sample, screen, uniform
 
 
-def draft(target, drafter, s: DecodeState, mask_token_id: int, kernels: Kernels | None = None) -> torch.Tensor:
-    """Block ids [rows, B]: the last token, then the drafter's proposals (or masks without one)."""
+def draft(target, drafter, s: DecodeState, mask_token_id: int, kernels: Kernels | None = None,
+          width: int | None = None) -> torch.Tensor:
+    """Block ids [rows, width] (default width B): the last token, then the drafter's proposals (or
+    masks without one). The drafter drafts its whole block either way; see `Drafter.propose`."""
     block = torch.where(s.slots == 0, s.tokens[:, None], mask_token_id)
     if drafter is None:
-        return block
+        return block[:, :width]
     pos = s.start[:, None] + s.slots
     ctx_pos = s.ctx_start[:, None] + s.slots
     drafts = drafter.propose(target, block, pos, cache=s.draft_cache, ctx_feat=s.relay.features, ctx_pos=ctx_pos,
-                             relay=s.relay, attention=_fused(kernels, "attention"))
+                             relay=s.relay, attention=_fused(kernels, "attention"), width=width)
     return torch.cat([block[:, :1], drafts], dim=1)
 
 
@@ -101,7 +103,7 @@ def decode_round(target, drafter, state: DecodeState, mask_token_id: int, layer_
     never choosing the mask token unless `emit_mask_token`.
 
     The last column of `state.out` reports each row's fault flag with its tokens: one host read."""
-    block = draft(target, drafter, state, mask_token_id, kernels)[:, :verify_width]
+    block = draft(target, drafter, state, mask_token_id, kernels, verify_width)
     exclude = None if drafter is None or emit_mask_token else mask_token_id
     verified, features = verify(target, state, block, layer_ids, greedy_shortcut, exclude, kernels)
     commit(state, block, verified, features, _fused(kernels, "commit") or commit_torch)

@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 
 from dflow_rt.errors import CheckpointError
 from dflow_rt.models.bounds import MAX_JSON_BYTES, bound, check_parameters, regular_file
+from dflow_rt.models.draft_vocab import load_draft_vocab, save_draft_vocab
 from dflow_rt.models.drafter import RELAY_INPUTS, Drafter, DrafterConfig, build_target_layer_ids
 from dflow_rt.models.target import ARCHITECTURES, Target, TargetConfig, rope_settings
 
@@ -264,8 +265,10 @@ def check_fits(config: DrafterConfig, target: Target, path: Path) -> None:
                                     f"the target vocabulary of {t.vocab_size}")
 
 
-def load_drafter(directory: str | Path, target: Target | None, dtype: torch.dtype | None = None) -> Drafter:
-    """Load a z-lab-layout DFlash drafter (a DFlow one if it has `dflow_config`) for `target`.
+def load_drafter(directory: str | Path, target: Target | None, dtype: torch.dtype | None = None,
+                 draft_vocab: bool = True) -> Drafter:
+    """Load a z-lab-layout DFlash drafter (a DFlow one if it has `dflow_config`) for `target`, with its
+    draft vocabulary when the directory has one and `draft_vocab` (`dflow_rt.models.draft_vocab`).
 
     `target=None` skips the fit checks and keeps the file's dtype: for conversion tools only.
     """
@@ -277,7 +280,11 @@ def load_drafter(directory: str | Path, target: Target | None, dtype: torch.dtyp
         dtype = dtype or target.lm_head.weight.dtype
     model = load_weights(Drafter, config, directory, dtype)
     model.source = directory
-    return model.to(target.lm_head.weight.device if target is not None else "cpu").eval()
+    model = model.to(target.lm_head.weight.device if target is not None else "cpu").eval()
+    ids = load_draft_vocab(directory, config.vocab_size) if draft_vocab and target is not None else None
+    if ids is not None:
+        model.restrict_vocab(target, ids)
+    return model
 
 
 def target_hf_config(c: TargetConfig) -> dict:
@@ -301,7 +308,8 @@ def drafter_hf_config(c: DrafterConfig) -> dict:
 
 
 def save_model(model: Target | Drafter, directory: str | Path, dtype: torch.dtype | None = None) -> Path:
-    """Write config.json + model.safetensors in the layout the reference tools read."""
+    """Write config.json + model.safetensors in the layout the reference tools read (and a drafter's
+    draft vocabulary, if it has one)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     is_target = isinstance(model, Target)
@@ -312,4 +320,6 @@ def save_model(model: Target | Drafter, directory: str | Path, dtype: torch.dtyp
     cfg["torch_dtype"] = str(next(iter(state.values())).dtype).removeprefix("torch.")
     save_file(state, directory / "model.safetensors", metadata={"format": "pt"})
     (directory / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    if not is_target and model.vocab_ids is not None:
+        save_draft_vocab(directory, model.vocab_ids.cpu())
     return directory

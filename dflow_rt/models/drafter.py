@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from dflow_rt.models.layers import DecoderLayer, KVCache, RMSNorm, Rotary, attend_cached
 from dflow_rt.models.relay import Relay, RelayBuffer, relay_keys, relay_mask, shift_to_slots
@@ -72,6 +73,9 @@ class Drafter(nn.Module):
         self.rotary = Rotary(c.head_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings)
         self.relay = Relay(c.hidden_size, c.relay_hidden) if c.relay_hidden else None
         self.use_relay = self.relay is not None  # switch off to ablate the relay at inference
+        # draft vocabulary (`restrict_vocab`): token ids and the target head's rows for them
+        self.register_buffer("vocab_ids", None, persistent=False)
+        self.register_buffer("vocab_head", None, persistent=False)
 
     @property
     def block_size(self) -> int:
@@ -90,6 +94,22 @@ class Drafter(nn.Module):
     def logits(self, target: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         """The target's (frozen, shared) head over drafter hidden states, in the target's dtype."""
         return target.lm_head(hidden.to(target.lm_head.weight.dtype))
+
+    def restrict_vocab(self, target: nn.Module, ids: torch.Tensor | None) -> None:
+        """Draft only tokens `ids` (None: the whole vocabulary again); see `dflow_rt.models.draft_vocab`.
+        The head rows are copied once here, so a draft pass reads only them."""
+        if ids is None:
+            self.vocab_ids = self.vocab_head = None
+            return
+        weight = target.lm_head.weight
+        self.vocab_ids = ids.to(weight.device)
+        self.vocab_head = weight.detach()[self.vocab_ids].contiguous()
+
+    def greedy(self, target: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        """Greedy draft tokens of drafter hidden states, over the draft vocabulary if it has one."""
+        if self.vocab_head is None:
+            return self.logits(target, hidden).argmax(-1)
+        return self.vocab_ids[F.linear(hidden.to(self.vocab_head.dtype), self.vocab_head).argmax(-1)]
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         c, w = self.config, self.fc.weight
@@ -171,11 +191,14 @@ class Drafter(nn.Module):
     def propose(self, target: nn.Module, block_ids: torch.Tensor, block_pos: torch.Tensor, *, cache: KVCache,
                 ctx_feat: torch.Tensor | None = None, ctx_pos: torch.Tensor | None = None,
                 rows: torch.Tensor | None = None, relay: RelayBuffer | None = None,
-                attention: Callable | None = None) -> torch.Tensor:
-        """Greedy drafts [batch, block - 1] for slots 1.. of `block_ids` (one denoising step).
+                attention: Callable | None = None, width: int | None = None) -> torch.Tensor:
+        """Greedy drafts [batch, width - 1] for slots 1.. of `block_ids` (one denoising step).
 
         With a DFlow relay and a `relay` buffer holding the last verify pass, the rejected
         suffix's features enter the pass (added to the mask embeddings, or as keys/values).
+        `width` (default: the block): the pass still runs over the whole block, so the drafts
+        are the same, but only slots below `width` go through the vocabulary head (fewer rows
+        of the largest GEMM of a batched draft pass, when the target verifies a short prefix).
         `attention`: see `forward`.
         """
         emb, relay_kv, ctx = self.embed(target, block_ids), None, None
@@ -190,7 +213,7 @@ class Drafter(nn.Module):
             else:
                 emb = emb + vectors
         h = self(emb, block_pos, cache=cache, rows=rows, relay_kv=relay_kv, attention=attention)
-        return self.logits(target, h[:, 1:]).argmax(-1)
+        return self.greedy(target, h[:, 1:width])
 
 
 def with_relay(drafter: Drafter, relay_hidden: int, seed: int = 0, relay_input: str = "mask_embedding") -> Drafter:

@@ -1,4 +1,5 @@
-"""`dflow-rt train ...`: the training pipeline's commands (tokenizer, target, regen, features, dflash, dflow).
+"""`dflow-rt train ...`: the training pipeline's commands (tokenizer, target, regen, features, dflash, dflow,
+draft-vocab).
 
 `add_train_parser(subparsers)` plugs them into the main CLI; `python -m dflow_rt.train.cli ...`
 runs them standalone (also the form to launch under `torchrun`).
@@ -155,6 +156,21 @@ def cmd_drafter(args: argparse.Namespace) -> None:
         print(f"stopped at step {result['step']}; continue with --resume")
 
 
+def cmd_draft_vocab(args: argparse.Namespace) -> None:
+    from dflow_rt.models.checkpoint import drafter_config, read_config
+    from dflow_rt.models.draft_vocab import build_draft_vocab, save_draft_vocab
+    from dflow_rt.train.sequences import file_digest, load_sequences
+
+    path, cfg = read_config(args.drafter)
+    vocab = drafter_config(cfg, path).vocab_size
+    seqs = load_sequences(args.data)
+    ids, coverage = build_draft_vocab(seqs, vocab, args.size)
+    out = save_draft_vocab(args.drafter, ids, data=Path(args.data).name, data_digest=file_digest(args.data),
+                           coverage=round(coverage, 5))
+    print(f"wrote {out}: {len(ids)} of {vocab} tokens, covering {coverage:.2%} of the tokens the target wrote "
+          f"in {len(seqs)} sequences")
+
+
 def _drafter_parser(p: argparse.ArgumentParser, dflow: bool) -> None:
     """Defaults in brackets are DFLASH_DEFAULTS / DFLOW_DEFAULTS of dflow_rt.train.drafter."""
     p.add_argument("--target", required=True, help="frozen target model directory")
@@ -205,7 +221,8 @@ def _drafter_parser(p: argparse.ArgumentParser, dflow: bool) -> None:
 
 
 def add_train_parser(subparsers) -> argparse.ArgumentParser:
-    """Register `train` (sub-commands `tokenizer`, `target`, `regen`, `features`, `dflash`, `dflow`) on the main CLI."""
+    """Register `train` (sub-commands `tokenizer`, `target`, `regen`, `features`, `dflash`, `dflow`,
+    `draft-vocab`) on the main CLI."""
     train = subparsers.add_parser("train", help="train the tokenizer, the target and drafters")
     sub = train.add_subparsers(dest="train_command", required=True)
     tok = sub.add_parser("tokenizer", help="train the byte-level BPE on a sample of the training text")
@@ -218,6 +235,12 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     _features_parser(sub.add_parser("features", help="cache the target's conditioning features of regen data"))
     _drafter_parser(sub.add_parser("dflash", help="train a DFlash drafter (DDP under torchrun)"), dflow=False)
     _drafter_parser(sub.add_parser("dflow", help="DFlow self-condition training of a relay drafter"), dflow=True)
+    v = sub.add_parser("draft-vocab", help="restrict a drafter's drafts to the tokens its target writes most "
+                       "(a smaller head read per draft pass; lossless)")
+    v.add_argument("--drafter", required=True, help="drafter directory: draft_vocab.json is written there")
+    v.add_argument("--data", required=True, help="sequences written by `dflow-rt train regen` for its target")
+    v.add_argument("--size", type=int, default=8192, help="tokens kept, most frequent first [8192]")
+    v.set_defaults(run=cmd_draft_vocab)
     return train
 
 
