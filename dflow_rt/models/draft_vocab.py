@@ -27,12 +27,6 @@ from dflow_rt.models.bounds import MAX_JSON_BYTES, regular_file
 FILE = "draft_vocab.json"
 
 
-def rank_tokens(counts: torch.Tensor) -> torch.Tensor:
-    """Token ids from most to least frequent; ties and unseen tokens by id, which in a BPE vocabulary
-    roughly follows how common a token was when the tokenizer was built."""
-    return torch.argsort(-counts, stable=True)
-
-
 def build_draft_vocab(sequences, vocab_size: int, size: int) -> tuple[torch.Tensor, float]:
     """The `size` most frequent tokens of regen `sequences` (prompts and continuations: a code
     continuation copies the prompt's identifiers), in increasing id order, and the share of the
@@ -43,7 +37,9 @@ def build_draft_vocab(sequences, vocab_size: int, size: int) -> tuple[torch.Tens
     if len(tokens) and int(tokens.max()) >= vocab_size:
         raise InputError(f"the data holds token id {int(tokens.max())}, outside the vocabulary of {vocab_size}")
     counts = torch.bincount(tokens, minlength=vocab_size)
-    ids = rank_tokens(counts)[:size].sort().values
+    # most frequent first; a stable sort breaks ties (unseen tokens too) by id, which in a BPE
+    # vocabulary roughly follows how common a token was when the tokenizer was built
+    ids = torch.argsort(-counts, stable=True)[:size].sort().values
     inside = torch.zeros(vocab_size, dtype=torch.bool)
     inside[ids] = True
     starts = sequences.offsets[:-1] + sequences.prompt_lens.long()
