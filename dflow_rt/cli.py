@@ -11,16 +11,23 @@ from dflow_rt.errors import DflowError, RequestError
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
+    import dataclasses
     import time
+
+    import torch
 
     from dflow_rt.config import RuntimeConfig
     from dflow_rt.requests import check_fits
     from dflow_rt.runtime import Runtime
     from dflow_rt.tokenizer import stop_token_ids
+    from dflow_rt.tuned import apply
 
     if args.drafter is None and args.target is None:
         args.drafter = "dflash"  # the bundled pair's default drafter (docs/RESULTS.md)
-    target, drafter, tokenizer = _load_models(args)
+    tuned = _tuned_knobs(args) if args.tuned else None
+    if tuned is not None and args.threads is None:
+        args.threads = tuned.threads
+    target, drafter, tokenizer = _load_models(args, dtype=args.dtype or (tuned.dtype if tuned else None))
     if args.chat:
         ids = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}],
                                             add_generation_prompt=True, tokenize=True)
@@ -29,8 +36,10 @@ def cmd_generate(args: argparse.Namespace) -> None:
         ids = tokenizer.encode(args.prompt, add_special_tokens=False)
     block = 1 if drafter is None else (args.block_size or drafter.block_size)
     check_fits(len(ids), args.max_new_tokens, block, target.config.max_position_embeddings)  # before allocating
-    config = RuntimeConfig(max_batch=1, max_len=len(ids) + args.max_new_tokens + block, backend=args.backend,
-                           block_size=args.block_size, verify_width=args.verify_width)
+    config = apply(RuntimeConfig(max_batch=1, max_len=len(ids) + args.max_new_tokens + block,
+                                 block_size=args.block_size), tuned, block)
+    explicit = {"backend": args.backend, "verify_width": args.verify_width}  # the command line beats the tuned file
+    config = dataclasses.replace(config, **{k: v for k, v in explicit.items() if v is not None})
     t0 = time.perf_counter()
     rt = Runtime(target, drafter, config)
     rid = rt.add_request(ids, max_new_tokens=args.max_new_tokens, stop_token_ids=stop_token_ids(tokenizer))
@@ -50,7 +59,9 @@ def cmd_generate(args: argparse.Namespace) -> None:
              "rounds": len(req.acceptance)}
     if args.json:
         print(json.dumps({"text": text, "token_ids": req.emitted, "prompt_ids": list(ids),
-                          "acceptance_lengths": req.acceptance, **stats, "backend": args.backend,
+                          "acceptance_lengths": req.acceptance, **stats, "backend": config.backend,
+                          "verify_width": config.verify_width, "threads": torch.get_num_threads(),
+                          "dtype": str(target.lm_head.weight.dtype).removeprefix("torch."),
                           "setup_s": round(t1 - t0, 4), "first_step_s": round(t2 - t1, 4),
                           "decode_s": round(decode_s, 4)}))
     else:
@@ -59,11 +70,31 @@ def cmd_generate(args: argparse.Namespace) -> None:
               file=sys.stderr if args.quiet_stats else sys.stdout)
 
 
-def _load_models(args: argparse.Namespace, need_tokenizer: bool = True):
+def _load_models(args: argparse.Namespace, need_tokenizer: bool = True, dtype: str | None = None):
     """`load_models` from --target/--drafter/--device/--threads: how every command loads models."""
     from dflow_rt.models.bundled import load_models
 
-    return load_models(args.target, args.drafter, args.device, args.threads, need_tokenizer)
+    return load_models(args.target, args.drafter, args.device, args.threads, need_tokenizer, dtype)
+
+
+def _tuned_knobs(args: argparse.Namespace):
+    """What `dflow-rt autotune` chose for --target/--drafter on this device (dtype and threads included,
+    which apply before the models load), or None; says on stderr which, since it changes the speed."""
+    import torch
+
+    from dflow_rt.models.bundled import drafter_dir, target_dir
+    from dflow_rt.tuned import load_tuned, tuned_dir
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    spec = None if args.drafter in (None, "none") else drafter_dir(args.drafter, args.target)
+    tuned = load_tuned(target_dir(args.target), spec, device, args.dtype)  # --dtype: that dtype's knobs
+    if tuned is None:
+        print(f"--tuned: no usable knobs for these models on this device in {tuned_dir()}: runtime defaults "
+              f"(`dflow-rt autotune` writes them)", file=sys.stderr)
+    else:
+        print(f"--tuned: {tuned.path}: dtype {tuned.dtype}, backend {tuned.backend}, threads {tuned.threads}, "
+              f"verify width {dict(tuned.verify_width) or 'the block'}", file=sys.stderr)
+    return tuned
 
 
 def cmd_eval_tau(args: argparse.Namespace) -> None:
@@ -179,9 +210,15 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--verify-width", type=int, default=None, metavar="K",
                    help="verify only the first K drafted positions; a real target on CPU often decodes faster with "
                         "4 or 8 (`dflow-rt bench --suite e2e` sweeps it) [the block size]")
-    g.add_argument("--backend", choices=BACKENDS, default="eager",
+    g.add_argument("--backend", choices=BACKENDS, default=None,
                    help="eager starts at once; compile (torch.compile, 10-60 s to build) pays for long outputs; "
-                        "cudagraph needs CUDA [eager]")
+                        "cudagraph needs CUDA [eager, or the tuned one]")
+    g.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                   help="weights and activations; bfloat16 is faster on CPUs with BF16 instructions, and its greedy "
+                        "output is the bf16 target's, not the float32 one's [float32 on CPU, bfloat16 on CUDA]")
+    g.add_argument("--tuned", action="store_true",
+                   help="use the dtype, threads, backend and verify widths `dflow-rt autotune` chose for these "
+                        "models on this machine; --dtype, --threads, --backend and --verify-width still win")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     g.add_argument("--quiet-stats", action="store_true", help="print the statistics line to stderr")

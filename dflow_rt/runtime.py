@@ -64,9 +64,7 @@ class Runtime:
         self.layer_ids = drafter.target_layer_ids if drafter is not None else ()
         self.buckets, self.lengths = c.buckets(), c.lengths()
         self.widths = c.widths(self.block_size)
-        if min(self.buckets) < 1 or max(self.buckets) > c.max_batch:
-            raise InputError(f"batch_buckets must lie in 1..max_batch ({c.max_batch}), got {self.buckets}")
-        if min(self.lengths) <= self.block_size or max(self.lengths) > c.max_len:
+        if min(self.lengths) <= self.block_size or max(self.lengths) > c.max_len:  # (batch buckets: check_config)
             raise InputError(f"length_buckets must lie in {self.block_size + 1}..max_len ({c.max_len}), "
                              f"got {self.lengths}")
         check_memory(c, target, drafter, self.block_size)

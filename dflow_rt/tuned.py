@@ -33,7 +33,7 @@ class TunedConfig:
     verify_width: (batch bucket, k) pairs; empty = the whole block everywhere.
     length_step: spacing of the length buckets; None = RuntimeConfig's default.
     kernels: RuntimeConfig.kernels; None = leave it alone.
-    threads, dtype: model-level knobs that the CLI applies when it loads the models.
+    threads, dtype: model-level knobs that `dflow-rt generate --tuned` applies when it loads the models.
     """
 
     dtype: str

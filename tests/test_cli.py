@@ -45,6 +45,45 @@ def test_generate_verify_width(capsys):
     assert len(narrow["acceptance_lengths"]) > len(full["acceptance_lengths"])
 
 
+def test_generate_tuned_takes_the_autotune_knobs_and_flags_win(capsys, tmp_path, monkeypatch):
+    """--tuned reads the file `dflow-rt autotune` writes for these models on this device: its dtype,
+    threads and verify width apply (tokens stay the target's greedy ones); --verify-width beats it;
+    with no file it says so and keeps the defaults."""
+    from dflow_rt.models.bundled import drafter_dir, target_dir
+    from dflow_rt.tuned import device_name, entry_key, store
+
+    monkeypatch.setenv("DFLOW_RT_CONFIG", str(tmp_path))
+    args = ["--chat", "--prompt", "Victor has 82 buttons. He gets 47 more. How many buttons does Victor have now?",
+            "--max-new-tokens", "40"]
+
+    def generate(*extra):
+        assert main(["generate", *args, *extra, "--json"]) == 0
+        out, err = capsys.readouterr()
+        return json.loads(out), err
+
+    default, err = generate("--tuned")
+    assert "runtime defaults" in err and default["verify_width"] is None and default["dtype"] == "float32"
+    assert max(default["acceptance_lengths"]) > 3
+
+    def write(dtype: str) -> None:
+        knobs = {"threads": 1, "backend": "eager", "length_step": None, "buckets": {"1": {"verify_width": 3}}}
+        store({"dtype": dtype, "knobs": {dtype: knobs}}, entry_key(target_dir(None), drafter_dir("dflash")),
+              device_name("cpu"))
+
+    write("float32")
+    tuned, err = generate("--tuned")
+    assert str(tmp_path / "tuned") in err and "verify width {1: 3}" in err
+    assert tuned["token_ids"] == default["token_ids"] and max(tuned["acceptance_lengths"]) == 3
+    assert tuned["verify_width"] == {"1": 3} and tuned["threads"] == 1
+    flagged, _ = generate("--tuned", "--verify-width", "2")
+    assert flagged["token_ids"] == default["token_ids"] and max(flagged["acceptance_lengths"]) == 2
+    write("bfloat16")
+    assert generate("--tuned")[0]["dtype"] == "bfloat16"
+    fp32, err = generate("--tuned", "--dtype", "float32")  # the file holds bf16 knobs only
+    assert "runtime defaults" in err and fp32["dtype"] == "float32" and fp32["verify_width"] is None
+    assert fp32["token_ids"] == default["token_ids"]
+
+
 def test_generate_text_and_chat(demo_models, capsys):
     target_dir, drafter_dir = demo_models
     assert main(["generate", "--target", str(target_dir), "--drafter", str(drafter_dir), "--prompt", "hello",

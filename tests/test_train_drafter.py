@@ -531,6 +531,9 @@ def test_cached_features_equal_the_inference_forward_and_train_as_online(tiny_di
         load_features(cache, tiny_dir, data_file, (1,))
     with pytest.raises(InputError, match="data_digest"):
         load_features(cache, tiny_dir, tiny_dir / "model.safetensors", (2,))
+    with pytest.raises(InputError, match="data_digest"):  # the caller's digests are what is checked
+        load_features(cache, tiny_dir, data_file, (2,), {"target_digest": sequences.model_digest(tiny_dir),
+                                                         "data_digest": "0" * 16})
     curves, passes, context = {}, [], objective.target_context
     monkeypatch.setattr(objective, "target_context", lambda *a: passes.append(1) or context(*a))
     for name, extra in (("online", []), ("cached", ["--features", str(cache)])):

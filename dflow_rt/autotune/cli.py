@@ -1,5 +1,5 @@
 """`dflow-rt autotune`: tune the runtime's knobs for a target (and drafter) on this machine and write
-them where `RuntimeConfig(tuned=True)` and the CLI find them."""
+them where `RuntimeConfig(tuned=True)` and `dflow-rt generate --tuned` find them."""
 
 from __future__ import annotations
 

@@ -52,12 +52,13 @@ def bundled_targets() -> tuple[str, ...]:
 
 
 def load_models(target: str | None, drafter: str | None, device: str | None = None, threads: int | None = None,
-                need_tokenizer: bool = True):
+                need_tokenizer: bool = True, dtype: str | None = None):
     """(target, drafter or None, tokenizer) by name or directory: the one place commands load models.
 
     No `target` means the bundled one; `drafter` None or "none" means no drafter; `device` None
-    picks CUDA when there is one; `threads` as `dflow_rt.threads.set_threads`. Without
-    `need_tokenizer`, a directory with no tokenizer (random benchmark models) gives None for it.
+    picks CUDA when there is one; `threads` as `dflow_rt.threads.set_threads`; `dtype` ("float32",
+    "bfloat16") None means the device's default. Without `need_tokenizer`, a directory with no
+    tokenizer (random benchmark models) gives None for it.
     """
     import torch
 
@@ -69,7 +70,7 @@ def load_models(target: str | None, drafter: str | None, device: str | None = No
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise InputError(f"--device {device}: CUDA is not available on this machine")
     path = target_dir(target)
-    model = load_target(path, device=device)
+    model = load_target(path, dtype=getattr(torch, dtype) if dtype else None, device=device)
     set_threads(threads, model)
     spec = None if drafter in (None, "none") else drafter_dir(drafter, target)
     has_tokenizer = need_tokenizer or (path / "tokenizer.json").exists()

@@ -267,7 +267,7 @@ def train_drafter(kind: str, target_dir: str | Path, data: str | Path, out: str 
                if d.world > 1 else objective)
     global_batch = state["run"]["global_batch"] if state else batch * d.world
     n_train = len(seqs) - s["eval_seqs"]
-    cached = load_features(features, target_dir, data, layer_ids) if features else None
+    cached = load_features(features, target_dir, data, layer_ids, digests) if features else None
     batches = AnchorBatches(seqs, list(range(n_train)), global_batch, s["anchors"], B, objective.rounds, s["seed"],
                             d.rank, d.world, cached)
     tokenizer = load_tokenizer(target_dir) if (target_dir / "tokenizer.json").exists() else None

@@ -25,8 +25,10 @@ from dflow_rt.errors import InputError
 from dflow_rt.train.sequences import Sequences, file_digest, load_sequences, model_digest
 
 
-def _meta(target_dir: Path, data: Path, layer_ids: tuple[int, ...]) -> dict:
-    return {"target_digest": model_digest(target_dir), "data_digest": file_digest(data), "layer_ids": list(layer_ids)}
+def _meta(target_dir: Path, data: Path, layer_ids: tuple[int, ...], digests: dict | None = None) -> dict:
+    digests = digests or {"target_digest": model_digest(target_dir), "data_digest": file_digest(data)}
+    return {"target_digest": digests["target_digest"], "data_digest": digests["data_digest"],
+            "layer_ids": list(layer_ids)}
 
 
 @torch.inference_mode()
@@ -75,9 +77,10 @@ def write_features(target_dir: str | Path, data: str | Path, out: str | Path, la
     return out
 
 
-def load_features(path: str | Path, target_dir: str | Path, data: str | Path,
-                  layer_ids: tuple[int, ...]) -> torch.Tensor:
-    """The cached features, after checking they belong to this target, this data and these layers."""
+def load_features(path: str | Path, target_dir: str | Path, data: str | Path, layer_ids: tuple[int, ...],
+                  digests: dict | None = None) -> torch.Tensor:
+    """The cached features, after checking they belong to this target, this data and these layers.
+    `digests` (target_digest, data_digest) spares hashing the files again when the caller has them."""
     path = Path(path)
     try:
         with safe_open(str(path), framework="pt") as f:
@@ -87,7 +90,7 @@ def load_features(path: str | Path, target_dir: str | Path, data: str | Path,
         raise InputError(f"--features {path}: unreadable ({err})") from None
     if meta is None:
         raise InputError(f"--features {path}: not written by `dflow-rt train features`")
-    want = _meta(Path(target_dir), Path(data), tuple(layer_ids))
+    want = _meta(Path(target_dir), Path(data), tuple(layer_ids), digests)
     clash = [f"{k} {meta.get(k)} (this run: {v})" for k, v in want.items() if meta.get(k) != v]
     if clash:
         raise InputError(f"--features {path} was computed for another run: " + ", ".join(clash))
