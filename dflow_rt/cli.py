@@ -80,12 +80,10 @@ def _load_models(args: argparse.Namespace, need_tokenizer: bool = True, dtype: s
 def _tuned_knobs(args: argparse.Namespace):
     """What `dflow-rt autotune` chose for --target/--drafter on this device (dtype and threads included,
     which apply before the models load), or None; says on stderr which, since it changes the speed."""
-    import torch
-
-    from dflow_rt.models.bundled import drafter_dir, target_dir
+    from dflow_rt.models.bundled import drafter_dir, pick_device, target_dir
     from dflow_rt.tuned import load_tuned, tuned_dir
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = pick_device(args.device)
     spec = None if args.drafter in (None, "none") else drafter_dir(args.drafter, args.target)
     tuned = load_tuned(target_dir(args.target), spec, device, args.dtype)  # --dtype: that dtype's knobs
     if tuned is None:

@@ -19,16 +19,13 @@ def cmd_autotune(args: argparse.Namespace) -> None:
 
     from dflow_rt.autotune.job import Tuner, default_axes
     from dflow_rt.data.prompts import suite_prompts
-    from dflow_rt.errors import DflowError
-    from dflow_rt.models.bundled import drafter_dir, target_dir
+    from dflow_rt.models.bundled import drafter_dir, pick_device, target_dir
     from dflow_rt.models.checkpoint import default_dtype, load_drafter, load_target
     from dflow_rt.threads import set_threads
     from dflow_rt.tokenizer import load_tokenizer
     from dflow_rt.tuned import TunedConfig, device_name, entry_key, model_id, store
 
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise DflowError(f"--device {device}: CUDA is not available on this machine")
+    device = torch.device(pick_device(args.device))
     settings = {k: getattr(args, k) if getattr(args, k) is not None else v
                 for k, v in (QUICK if args.quick else FULL).items()}
     target_path = target_dir(args.target)

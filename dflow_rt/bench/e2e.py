@@ -31,6 +31,7 @@ from tqdm import tqdm
 from dflow_rt.bench.decoders import Run, Runner, hf_runner, reference_runner, runtime_runner
 from dflow_rt.bench.report import best_width, bf16_matmul, format_table, format_widths, label, machine
 from dflow_rt.errors import CheckpointError, DflowError, InputError
+from dflow_rt.models.bundled import pick_device
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 BUNDLED_PAIR = ("dflash", "dflow")  # the drafters bundled for a target, benchmarked by default
@@ -74,7 +75,7 @@ def add_e2e_args(p: argparse.ArgumentParser) -> None:
 
 def run_e2e(args: argparse.Namespace) -> dict:
     """Benchmark every target, print the table, write --json and --plots; fail if any output differs."""
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = torch.device(pick_device(args.device))
     dtypes, notes = list(args.dtypes), []
     if "bfloat16" in dtypes and not bf16_matmul(device):
         dtypes.remove("bfloat16")

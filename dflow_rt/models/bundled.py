@@ -51,6 +51,16 @@ def bundled_targets() -> tuple[str, ...]:
     return tuple(name for name in REGISTRY if (ASSETS / name).is_dir())
 
 
+def pick_device(device: str | None) -> str:
+    """`device`, by default CUDA when there is one; InputError for CUDA on a machine without it."""
+    import torch
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise InputError(f"--device {device}: CUDA is not available on this machine")
+    return device
+
+
 def load_models(target: str | None, drafter: str | None, device: str | None = None, threads: int | None = None,
                 need_tokenizer: bool = True, dtype: str | None = None):
     """(target, drafter or None, tokenizer) by name or directory: the one place commands load models.
@@ -66,9 +76,7 @@ def load_models(target: str | None, drafter: str | None, device: str | None = No
     from dflow_rt.threads import set_threads
     from dflow_rt.tokenizer import load_tokenizer
 
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise InputError(f"--device {device}: CUDA is not available on this machine")
+    device = pick_device(device)
     path = target_dir(target)
     model = load_target(path, dtype=getattr(torch, dtype) if dtype else None, device=device)
     set_threads(threads, model)
