@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ from dflow_rt.data import corpus as data
 from dflow_rt.data import prompts
 from dflow_rt.errors import InputError
 from dflow_rt.models import checkpoint
+from dflow_rt.models.draft_vocab import save_draft_vocab
 from dflow_rt.models.drafter import with_relay
 from dflow_rt.models.target import Target, TargetConfig
 from dflow_rt.tokenizer import load_tokenizer, train_tokenizer
@@ -351,7 +353,11 @@ def test_dflow_training_writes_a_loadable_dflow_drafter(tiny_dir, data_file, dfl
     # `train dflash --init` continues a DFlash drafter (here at a negligible lr) and refuses a DFlow one.
     data = ["--target", str(tiny_dir), "--data", str(data_file), *RUN, "--steps", "1"]
     assert run_cli(["dflash", *data, "--out", str(tmp_path / "bad"), "--init", str(out)]) == 2
-    assert run_cli(["dflash", *data, "--out", str(tmp_path / "cont"), "--init", str(dflash_run), "--lr", "1e-12"]) == 0
+    with_vocab = tmp_path / "with_vocab"  # a draft vocabulary belongs to the data, not to the weights
+    shutil.copytree(dflash_run, with_vocab)
+    save_draft_vocab(with_vocab, torch.arange(8))
+    assert run_cli(["dflash", *data, "--out", str(tmp_path / "cont"), "--init", str(with_vocab), "--lr", "1e-12"]) == 0
+    assert not (tmp_path / "cont" / "draft_vocab.json").exists()
     cont = load_file(tmp_path / "cont" / "model.safetensors")
     assert all(torch.allclose(cont[k], parent[k], atol=1e-6) for k in parent)
     # --init fixes the shape: a setting that contradicts the parent is an error, not silently ignored.

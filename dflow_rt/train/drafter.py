@@ -182,7 +182,8 @@ def build_drafter(kind: str, target: Target, target_dir: Path, s: dict, given: d
     zero-init relay). `given` (the settings passed explicitly) must not contradict the --init drafter's shape."""
     t = target.config
     if s["init"]:
-        parent = load_drafter(s["init"], target, dtype=torch.float32)
+        # its draft vocabulary (if any) is a property of its training data: `train draft-vocab` remakes it
+        parent = load_drafter(s["init"], target, dtype=torch.float32, draft_vocab=False)
         check_init_shape(s["init"], parent, given or {})
         if kind == "dflash":
             if parent.relay is not None:
