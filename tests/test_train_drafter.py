@@ -40,7 +40,7 @@ from dflow_rt.train.objective import (
     target_context,
 )
 from tests.conftest import FIXTURES
-from tests.helpers import random_relay
+from tests.helpers import fixed, random_relay
 
 CASES = json.loads((FIXTURES / "rounds.json").read_text())["cases"]
 RUN = ["--block-size", "8", "--layers", "1", "--anchors", "8", "--batch", "2", "--lr", "1e-2", "--warmup", "2",
@@ -272,10 +272,11 @@ def test_anchor_batches_do_not_depend_on_world_size(data_file):
     one = anchors.AnchorBatches(seqs, list(range(20)), 4, 6, 8, 1, seed=3)
     ranks = [anchors.AnchorBatches(seqs, list(range(20)), 4, 6, 8, 1, seed=3, rank=r, world=2) for r in (0, 1)]
     for _ in range(7):  # across an epoch boundary
-        ids, lengths, starts, ok = one.next()
+        batch = one.next()
         parts = [r.next() for r in ranks]
-        assert torch.equal(starts, torch.cat([p[2] for p in parts])) and torch.equal(lengths, torch.cat(
-            [p[1] for p in parts]))
+        assert batch.keys() == {"ids", "lengths", "starts", "ok"}
+        for key in ("starts", "lengths"):
+            assert torch.equal(batch[key], torch.cat([p[key] for p in parts]))
     assert one.state() == {"epoch": 1, "index": 2}
     rows = list(range(len(seqs)))
     ids, lengths, starts, ok = anchors.collate(seqs, rows, 6, 24, 8, [str(i) for i in rows])
@@ -493,7 +494,7 @@ def test_generate_is_lossless_with_a_bf16_target_and_a_float32_drafter(reference
         plain = dflow_rt.generate(target, None, case["prompt_ids"], max_new_tokens=40).token_ids
         out = dflow_rt.generate(target, drafter, case["prompt_ids"], max_new_tokens=40)
         assert out.token_ids == plain and out.tau > 1  # drafts crossed over and were accepted
-        runtime = dflow_rt.Runtime(target, drafter, dflow_rt.RuntimeConfig(max_batch=2, max_len=256))
+        runtime = dflow_rt.Runtime(target, drafter, fixed(max_batch=2, max_len=256))
         assert runtime.generate([case["prompt_ids"]], max_new_tokens=40)[0] == plain
 
 

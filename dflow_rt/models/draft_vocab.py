@@ -33,7 +33,8 @@ def build_draft_vocab(sequences, vocab_size: int, size: int) -> tuple[torch.Tens
     continuation tokens (what the drafter predicts) that they cover."""
     if not 1 <= size <= vocab_size:
         raise InputError(f"--size must be in 1..{vocab_size} (the vocabulary), got {size}")
-    tokens = sequences.tokens.long()
+    # labelled text: count what the target writes there, not the text
+    tokens = (sequences.tokens if getattr(sequences, "truth", None) is None else sequences.truth).long()
     if len(tokens) and int(tokens.max()) >= vocab_size:
         raise InputError(f"the data holds token id {int(tokens.max())}, outside the vocabulary of {vocab_size}")
     counts = torch.bincount(tokens, minlength=vocab_size)

@@ -33,10 +33,20 @@ def collate(seqs: Sequences, rows: list[int], anchors: int, span: int, B: int, k
     return out, torch.tensor([len(s) for s in ids]), starts, ok
 
 
+def pad_truth(seqs: Sequences, rows: list[int], width: int) -> torch.Tensor:
+    """[len(rows), width] labels of `rows` (`Sequences.truth_of`), zero-padded like `collate`'s ids."""
+    out = torch.zeros(len(rows), width, dtype=torch.long)
+    for j, i in enumerate(rows):
+        t = seqs.truth_of(i)
+        out[j, :len(t)] = t
+    return out
+
+
 class AnchorBatches:
     """Global batches of sequences: batch `index` of `epoch` (and its anchors) is the same for any world
     size; rank r takes rows r*b..(r+1)*b. The position alone is the state, so resume is exact.
-    With cached target `features` (`dflow_rt.train.features`), each batch carries its rows' features last."""
+    A batch is a dict: ids, lengths, starts, ok (`collate`), plus the rows' cached target `features`
+    (`dflow_rt.train.features`) as "feats" and, for labelled text, the target's own tokens as "truth"."""
 
     def __init__(self, seqs: Sequences, indices: list[int], global_batch: int, anchors: int, block: int,
                  rounds: int, seed: int, rank: int = 0, world: int = 1, features: torch.Tensor | None = None):
@@ -59,9 +69,12 @@ class AnchorBatches:
         self.index += 1
         if (self.index + 1) * self.global_batch > len(self.indices):  # the epoch's last partial batch is skipped
             self.epoch, self.index = self.epoch + 1, 0
+        out = dict(zip(("ids", "lengths", "starts", "ok"), batch, strict=True))
         if self.features is not None:
-            batch = (*batch, gather(self.features, self.seqs, rows, batch[0].shape[1]))
-        return batch
+            out["feats"] = gather(self.features, self.seqs, rows, batch[0].shape[1])
+        if self.seqs.truth is not None:
+            out["truth"] = pad_truth(self.seqs, rows, batch[0].shape[1])
+        return out
 
     def state(self) -> dict:
         return {"epoch": self.epoch, "index": self.index}

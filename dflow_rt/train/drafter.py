@@ -21,7 +21,7 @@ from dflow_rt.models.drafter import Drafter, DrafterConfig, build_target_layer_i
 from dflow_rt.models.target import Target
 from dflow_rt.tokenizer import load_tokenizer, stop_token_ids
 from dflow_rt.train import loop
-from dflow_rt.train.anchors import AnchorBatches, collate
+from dflow_rt.train.anchors import AnchorBatches, collate, pad_truth
 from dflow_rt.train.features import load_features
 from dflow_rt.train.objective import DraftObjective, auto_gamma
 from dflow_rt.train.sequences import file_digest, load_sequences, model_digest
@@ -85,8 +85,9 @@ class DrafterTask:
 
     def loss(self, step: int) -> tuple[torch.Tensor, int]:
         """One batch; `tokens` (for tokens/s) counts supervised draft slots over all rounds."""
-        ids, lengths, starts, ok, *feats = (t.to(self.device) for t in self.batches.next())
-        loss, stats = self.forward(ids, lengths, starts, ok, feats=feats[0] if feats else None)
+        b = {k: t.to(self.device) for k, t in self.batches.next().items()}
+        loss, stats = self.forward(b["ids"], b["lengths"], b["starts"], b["ok"], feats=b.get("feats"),
+                                   truth=b.get("truth"))
         for k, v in stats.items():
             self.window[k] = self.window.get(k, 0) + v.detach().double()
         if (step + 1) % self.log_every == 0:
@@ -114,9 +115,11 @@ class DrafterTask:
         for k in range(0, len(self.eval_rows), b.per_rank):
             rows = self.eval_rows[k:k + b.per_rank]
             ids, lengths, _, _ = collate(b.seqs, rows, 1, b.block, b.block, [""] * len(rows))
+            truth = pad_truth(b.seqs, rows, ids.shape[1]).to(self.device) if b.seqs.truth is not None else None
             ids, lengths = ids.to(self.device), lengths.to(self.device)
             starts = b.seqs.prompt_lens[rows].long()[:, None].to(self.device)
-            _, stats = self.objective(ids, lengths, starts, torch.ones_like(starts, dtype=torch.bool), None, max_rounds)
+            _, stats = self.objective(ids, lengths, starts, torch.ones_like(starts, dtype=torch.bool), None, max_rounds,
+                                      truth=truth)
             for name, v in stats.items():
                 key = name.rstrip("0123456789")
                 sums[key] = sums.get(key, 0) + (v * stats[name.replace("loss", "blocks")] if key == "loss" else v)

@@ -25,7 +25,7 @@ from dflow_rt.errors import InputError
 from dflow_rt.train.sequences import Sequences, file_digest, load_sequences, model_digest
 
 
-def _meta(target_dir: Path, data: Path, layer_ids: tuple[int, ...], digests: dict | None = None) -> dict:
+def feature_meta(target_dir: Path, data: Path, layer_ids: tuple[int, ...], digests: dict | None = None) -> dict:
     digests = digests or {"target_digest": model_digest(target_dir), "data_digest": file_digest(data)}
     return {"target_digest": digests["target_digest"], "data_digest": digests["data_digest"],
             "layer_ids": list(layer_ids)}
@@ -72,7 +72,7 @@ def write_features(target_dir: str | Path, data: str | Path, out: str | Path, la
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
     save_file({"features": feats}, str(tmp),
-              metadata={"features": json.dumps(_meta(target_dir, data, tuple(layer_ids)))})
+              metadata={"features": json.dumps(feature_meta(target_dir, data, tuple(layer_ids)))})
     tmp.replace(out)
     return out
 
@@ -90,7 +90,7 @@ def load_features(path: str | Path, target_dir: str | Path, data: str | Path, la
         raise InputError(f"--features {path}: unreadable ({err})") from None
     if meta is None:
         raise InputError(f"--features {path}: not written by `dflow-rt train features`")
-    want = _meta(Path(target_dir), Path(data), tuple(layer_ids), digests)
+    want = feature_meta(Path(target_dir), Path(data), tuple(layer_ids), digests)
     clash = [f"{k} {meta.get(k)} (this run: {v})" for k, v in want.items() if meta.get(k) != v]
     if clash:
         raise InputError(f"--features {path} was computed for another run: " + ", ".join(clash))

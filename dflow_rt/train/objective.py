@@ -172,10 +172,13 @@ class DraftObjective(nn.Module):
 
     def forward(self, ids: torch.Tensor, lengths: torch.Tensor, starts: torch.Tensor, ok: torch.Tensor,
                 trace: list | None = None, rounds: int | None = None,
-                feats: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                feats: torch.Tensor | None = None,
+                truth: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """ids [b, L] (padded), lengths [b], anchors starts/ok [b, N] -> (summed loss, stats sums).
         `feats`: the target's cached context features of `ids` [b, L, K*H]; a relay-less drafter then
         never runs the target (a relay needs the target's keys and values for its online verify).
+        `truth` [b, L]: what the drafter learns at each position when it is not `ids` itself (labelled
+        text: the target's own token there); blocks still start from the text's token at the anchor.
 
         Unrolled from the prompt's end for many `rounds`, these are exactly the rounds `generate` runs
         on that sequence (a relay-less drafter skips the verify pass), so evaluation can measure tau."""
@@ -187,13 +190,14 @@ class DraftObjective(nn.Module):
                 feats, target_kv = target_context(t, ids, layer_ids)
         ctx_kv = drafter_context(d, feats)
         slots = torch.arange(B, device=ids.device)
+        truth_ids = ids if truth is None else truth
         total, stats, relay = 0.0, {}, None
         for r in range(1, rounds + 1):
             pos = starts[..., None] + slots
             valid = (pos < lengths[:, None, None]) & ok[..., None]
-            truth = ids.gather(1, pos.clamp(max=L - 1).flatten(1)).view(b, N, B)
+            truth = truth_ids.gather(1, pos.clamp(max=L - 1).flatten(1)).view(b, N, B)
             block = torch.full_like(truth, d.config.mask_token_id)
-            block[..., 0] = truth[..., 0]
+            block[..., 0] = ids.gather(1, starts.clamp(max=L - 1))
             hidden = self.draft_pass(ctx_kv, d.embed(t, block.flatten(1)), starts, relay,
                                      self.base_first_round and r > 1)
             # Slots 1.. as one contiguous matrix: the head is a plain GEMM (2.4x faster on CPU than on the slice).
@@ -214,23 +218,24 @@ class DraftObjective(nn.Module):
             if r == rounds or (rounds != self.rounds and not nxt_ok.any()):  # training: every rank, every round
                 break
             if use_relay:
-                relay = self.relay_inputs(ids, target_kv, block, drafts, starts, accepted)
+                relay = self.relay_inputs(truth_ids, target_kv, block, drafts, starts, accepted)
                 if trace is not None:
                     trace[-1]["relay"] = relay
             starts, ok = nxt_starts, nxt_ok
         return total, stats
 
     @torch.no_grad()
-    def relay_inputs(self, ids: torch.Tensor, target_kv: list, block: torch.Tensor, drafts: torch.Tensor,
+    def relay_inputs(self, truth: torch.Tensor, target_kv: list, block: torch.Tensor, drafts: torch.Tensor,
                      starts: torch.Tensor, accepted: torch.Tensor) -> RelayBuffer:
-        """Verify the drafts online and record the pass in a `RelayBuffer`, as the inference round does."""
+        """Verify the drafts online and record the pass in a `RelayBuffer`, as the inference round does
+        (`truth` [b, L]: the target's token at each position)."""
         d, t, (b, N, B) = self.drafter, self._frozen[0], block.shape
         verify = torch.cat([block[..., :1], drafts], dim=-1)
         vfeat = target_verify(t, target_kv, verify.flatten(1), starts, d.target_layer_ids)
         # The verifier's argmax at each block position is the ground truth's next token (the data is
         # the target's greedy output), so RelayBuffer.write takes c = x_{p'} and d = the first rejected draft.
-        pos = (starts[..., None] + torch.arange(1, B + 1, device=ids.device)).clamp(max=ids.shape[1] - 1)
+        pos = (starts[..., None] + torch.arange(1, B + 1, device=truth.device)).clamp(max=truth.shape[1] - 1)
         relay = d.new_relay_buffer(b * N, B)
-        relay.write(None, vfeat.view(b * N, B, -1), verify.view(b * N, B), ids.gather(1, pos.flatten(1)).view(b * N, B),
-                    accepted.flatten())
+        relay.write(None, vfeat.view(b * N, B, -1), verify.view(b * N, B),
+                    truth.gather(1, pos.flatten(1)).view(b * N, B), accepted.flatten())
         return relay

@@ -2,7 +2,9 @@
 
 One safetensors file: `tokens` int32 [total] (every sequence, prompt then continuation, back to
 back), `offsets` int64 [n + 1], `prompt_lens` int32 [n], `kinds` int8 [n]; its metadata key
-`regen` holds JSON (settings, target digest, stop ids, kind names).
+`regen` holds JSON (settings, target digest, stop ids, kind names). A labelled file
+(`dflow_rt.train.label`) also holds `truth` int32 [total]: the token the target writes at each
+position after the text before it; in a regen file that is the text itself.
 """
 
 from __future__ import annotations
@@ -38,12 +40,18 @@ class Sequences:
     prompt_lens: torch.Tensor
     kinds: torch.Tensor
     meta: dict
+    truth: torch.Tensor | None = None  # labelled text: the target's own token at each position
 
     def __len__(self) -> int:
         return len(self.prompt_lens)
 
     def __getitem__(self, i: int) -> torch.Tensor:
         return self.tokens[int(self.offsets[i]):int(self.offsets[i + 1])].long()
+
+    def truth_of(self, i: int) -> torch.Tensor:
+        """What the drafter learns to predict at each position of sequence i."""
+        src = self.tokens if self.truth is None else self.truth
+        return src[int(self.offsets[i]):int(self.offsets[i + 1])].long()
 
     def lengths(self) -> torch.Tensor:
         return self.offsets[1:] - self.offsets[:-1]
@@ -64,4 +72,4 @@ def load_sequences(path: str | Path) -> Sequences:
     with safe_open(str(path), framework="pt") as f:
         meta = json.loads(f.metadata()["regen"])
         t = {k: f.get_tensor(k) for k in f.keys()}
-    return Sequences(t["tokens"], t["offsets"], t["prompt_lens"], t["kinds"], meta)
+    return Sequences(t["tokens"], t["offsets"], t["prompt_lens"], t["kinds"], meta, t.get("truth"))
