@@ -81,6 +81,10 @@ def test_bundled_names_resolve(tmp_path, monkeypatch):
     assert bundled.drafter_dir("dflash", str(ASSETS / "target")) == ASSETS.resolve() / "dflash"
     with pytest.raises(dflow_rt.InputError, match="no bundled dflow drafter for --target /some/dir"):
         bundled.drafter_dir("dflow", "/some/dir")
+    # a fetched model is known by its manifest wherever it lives (`fetch-model smollm2 --out DIR`)
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "fetched.json").write_text(json.dumps({"name": "smollm2", "files": {"config.json": 2}}))
+    assert bundled.drafter_dir("dflow", str(tmp_path)) == ASSETS.resolve() / "smollm2" / "dflow"
     monkeypatch.setattr(bundled, "ASSETS", tmp_path)
     with pytest.raises(dflow_rt.InputError, match="bundled dflash drafter is missing"):
         bundled.drafter_dir("dflash")

@@ -7,6 +7,7 @@ and conversion, ~25 s); later runs reuse it. Our Llama path must match transform
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 
 import pytest
@@ -51,7 +52,9 @@ def test_written_directory(smollm2):
             "generation_config.json", fetch.MANIFEST} <= {p.name for p in path.iterdir()}
     assert all(10 <= len(p) <= 40 for p in prompts) and prompts[-1][-4:] == tok.encode("<|im_start|>assistant\n")
     # the drafters' mask token: a special token of the vocabulary that the model does not write
-    assert (tok.mask_token, tok.mask_token_id) == ("<empty_output>", 16) and fetch.manifest(path)["format"] == 2
+    assert (tok.mask_token, tok.mask_token_id) == ("<empty_output>", 16) and fetch.manifest(path)["format"] == 3
+    # tools that dispatch on the architecture (llama.cpp's converter, transformers' Auto classes) find it
+    assert json.loads((path / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
 
 
 def test_logits_match_transformers(smollm2):

@@ -28,12 +28,17 @@ def target_dir(spec: str | None) -> Path:
 
 def drafter_dir(spec: str | None, target: str | None = None) -> Path | None:
     """'dflash' / 'dflow' name the bundled drafter of that kind trained for `target` (the bundled target
-    when None; a fetched target by its name, e.g. 'smollm2'); anything else is a directory; None stays None."""
+    when None; a fetched target by its name, e.g. 'smollm2', or by any directory `fetch-model` wrote);
+    anything else is a directory; None stays None."""
+    from dflow_rt.models.fetch import fetched_name
+
     if spec is None:
         return None
     if spec in BUNDLED_DRAFTERS:
         if target and Path(target).resolve() == (ASSETS / "target").resolve():
             target = None  # the bundled target named by its directory
+        elif target and target not in bundled_targets():
+            target = fetched_name(target) or target  # a fetched model is known by what it is, not where
         if target and target not in bundled_targets():
             raise InputError(f"no bundled {spec} drafter for --target {target} (bundled for: the default target, "
                              f"{', '.join(bundled_targets())}): pass a drafter directory")

@@ -24,7 +24,8 @@ from pathlib import Path
 from dflow_rt.errors import DflowError
 
 MANIFEST = "fetched.json"  # written last: its presence means the directory is complete
-FORMAT = 2  # of what a fetch writes; a directory of an older format is fetched again (2: the mask token)
+FORMAT = 3  # of what a fetch writes; a directory of an older format is fetched again (2: the mask token,
+#            3: `architectures` in config.json, which llama.cpp's converter and other tools dispatch on)
 DTYPES = ("float32", "bfloat16")
 
 
@@ -64,6 +65,12 @@ def source(name: str) -> Source:
     if name not in REGISTRY:
         raise FetchError(f"unknown model {name!r} (known: {', '.join(REGISTRY)})")
     return REGISTRY[name]
+
+
+def fetched_name(path: str | Path) -> str | None:
+    """The `fetch-model` name of the model in `path` (wherever it was written), from its manifest."""
+    info = manifest(Path(path))
+    return info.get("name") if info and info.get("name") in REGISTRY else None
 
 
 def manifest(path: Path) -> dict | None:
@@ -135,6 +142,7 @@ def convert_gguf(gguf: Path, out: Path, dtype: str, mask_token: str | None = Non
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     config.dtype = dtype
+    config.architectures = [type(model).__name__]  # the GGUF loader leaves it unset
     config.save_pretrained(out)
     model.generation_config.save_pretrained(out)
     tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
