@@ -11,20 +11,17 @@ from dflow_rt.errors import DflowError, RequestError
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
-    import dataclasses
     import time
 
     import torch
 
-    from dflow_rt.config import RuntimeConfig
     from dflow_rt.requests import check_fits
     from dflow_rt.runtime import Runtime
     from dflow_rt.tokenizer import stop_token_ids
-    from dflow_rt.tuned import apply
 
     if args.drafter is None and args.target is None:
         args.drafter = "dflash"  # the bundled pair's default drafter (docs/RESULTS.md)
-    tuned = _tuned_knobs(args) if args.tuned else None
+    tuned = _tuned_knobs(args)
     if tuned is not None and args.threads is None:
         args.threads = tuned.threads
     target, drafter, tokenizer = _load_models(args, dtype=args.dtype or (tuned.dtype if tuned else None))
@@ -36,10 +33,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
         ids = tokenizer.encode(args.prompt, add_special_tokens=False)
     block = 1 if drafter is None else (args.block_size or drafter.block_size)
     check_fits(len(ids), args.max_new_tokens, block, target.config.max_position_embeddings)  # before allocating
-    config = apply(RuntimeConfig(max_batch=1, max_len=len(ids) + args.max_new_tokens + block,
-                                 block_size=args.block_size), tuned, block)
-    explicit = {"backend": args.backend, "verify_width": args.verify_width}  # the command line beats the tuned file
-    config = dataclasses.replace(config, **{k: v for k, v in explicit.items() if v is not None})
+    config = runtime_config(args, tuned, block, max_batch=1, max_len=len(ids) + args.max_new_tokens + block)
     t0 = time.perf_counter()
     rt = Runtime(target, drafter, config)
     rid = rt.add_request(ids, max_new_tokens=args.max_new_tokens, stop_token_ids=stop_token_ids(tokenizer))
@@ -59,8 +53,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
              "rounds": len(req.acceptance)}
     if args.json:
         print(json.dumps({"text": text, "token_ids": req.emitted, "prompt_ids": list(ids),
-                          "acceptance_lengths": req.acceptance, **stats, "backend": config.backend,
-                          "verify_width": config.verify_width, "threads": torch.get_num_threads(),
+                          "acceptance_lengths": req.acceptance, **stats, "backend": rt.config.backend,
+                          "verify_width": rt.config.verify_width, "threads": torch.get_num_threads(),
                           "dtype": str(target.lm_head.weight.dtype).removeprefix("torch."),
                           "setup_s": round(t1 - t0, 4), "first_step_s": round(t2 - t1, 4),
                           "decode_s": round(decode_s, 4)}))
@@ -77,21 +71,36 @@ def _load_models(args: argparse.Namespace, need_tokenizer: bool = True, dtype: s
     return load_models(args.target, args.drafter, args.device, args.threads, need_tokenizer, dtype)
 
 
+def runtime_config(args: argparse.Namespace, tuned, block: int, **sizes):
+    """The Runtime's settings from the command line: a flag given wins, then the autotune knobs
+    (`tuned`, already looked up with the dtype in mind), then the Runtime's per-device defaults
+    (`RuntimeConfig.resolve`)."""
+    from dflow_rt.config import AUTO, RuntimeConfig
+    from dflow_rt.tuned import apply
+
+    config = RuntimeConfig(**sizes, block_size=args.block_size, backend=args.backend or AUTO,
+                           verify_width=AUTO if args.verify_width is None else args.verify_width, tuned=False)
+    return apply(config, tuned, block)
+
+
 def _tuned_knobs(args: argparse.Namespace):
     """What `dflow-rt autotune` chose for --target/--drafter on this device (dtype and threads included,
-    which apply before the models load), or None; says on stderr which, since it changes the speed."""
+    which apply before the models load), or None (--no-tuned, or no entry); one line on stderr when
+    it applies (it changes the speed), and when --tuned asked for knobs that are not there."""
     from dflow_rt.models.bundled import drafter_dir, pick_device, target_dir
     from dflow_rt.tuned import load_tuned, tuned_dir
 
+    if getattr(args, "no_tuned", False):
+        return None
     device = pick_device(args.device)
     spec = None if args.drafter in (None, "none") else drafter_dir(args.drafter, args.target)
     tuned = load_tuned(target_dir(args.target), spec, device, args.dtype)  # --dtype: that dtype's knobs
-    if tuned is None:
+    if tuned is None and args.tuned:
         print(f"--tuned: no usable knobs for these models on this device in {tuned_dir()}: runtime defaults "
               f"(`dflow-rt autotune` writes them)", file=sys.stderr)
-    else:
-        print(f"--tuned: {tuned.path}: dtype {tuned.dtype}, backend {tuned.backend}, threads {tuned.threads}, "
-              f"verify width {dict(tuned.verify_width) or 'the block'}", file=sys.stderr)
+    elif tuned is not None:
+        print(f"autotune: {tuned.path}: dtype {tuned.dtype}, backend {tuned.backend}, threads {tuned.threads}, "
+              f"verify width {dict(tuned.verify_width) or 'the block'} (--no-tuned: the defaults)", file=sys.stderr)
     return tuned
 
 
@@ -168,6 +177,10 @@ def cmd_bench(args: argparse.Namespace) -> None:
         from dflow_rt.bench.e2e import run_e2e
 
         return run_e2e(args)
+    if args.suite == "serve":
+        from dflow_rt.bench.serve import run_serve_bench
+
+        return run_serve_bench(args)
 
     from dflow_rt.bench.runtime import bench_runtime, format_table
     from dflow_rt.data.prompts import suite_prompts
@@ -196,6 +209,14 @@ def cmd_bench(args: argparse.Namespace) -> None:
             json.dump(result, f, indent=2)
 
 
+def add_tuned_args(p: argparse.ArgumentParser) -> None:
+    tuned = p.add_mutually_exclusive_group()
+    tuned.add_argument("--tuned", action="store_true",
+                       help="say so when `dflow-rt autotune` wrote no knobs for these models here (they apply "
+                            "without the flag: dtype, threads, backend, verify widths; flags given still win)")
+    tuned.add_argument("--no-tuned", action="store_true", help="ignore the autotune knobs: the built-in defaults")
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dflow-rt", description="Block-diffusion speculative decoding runtime.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -206,17 +227,16 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--block-size", type=int, default=None, help="default: the drafter's block size")
     g.add_argument("--verify-width", type=int, default=None, metavar="K",
-                   help="verify only the first K drafted positions; a real target on CPU often decodes faster with "
-                        "4 or 8 (`dflow-rt bench --suite e2e` sweeps it) [the block size]")
+                   help="verify only the first K drafted positions: fewer cost less on CPU, any K is lossless "
+                        "[the tuned one, else per device: 2 on CPU in float32, 4 in bfloat16, the block on CUDA]")
     g.add_argument("--backend", choices=BACKENDS, default=None,
-                   help="eager starts at once; compile (torch.compile, 10-60 s to build) pays for long outputs; "
-                        "cudagraph needs CUDA [eager, or the tuned one]")
+                   help="eager starts at once; compile (torch.compile: minutes the first time, seconds from its "
+                        "disk cache after) decodes faster; cudagraph needs CUDA [the tuned one, else compile on "
+                        "CPU and cudagraph on CUDA]")
     g.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                    help="weights and activations; bfloat16 is faster on CPUs with BF16 instructions, and its greedy "
                         "output is the bf16 target's, not the float32 one's [float32 on CPU, bfloat16 on CUDA]")
-    g.add_argument("--tuned", action="store_true",
-                   help="use the dtype, threads, backend and verify widths `dflow-rt autotune` chose for these "
-                        "models on this machine; --dtype, --threads, --backend and --verify-width still win")
+    add_tuned_args(g)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     g.add_argument("--quiet-stats", action="store_true", help="print the statistics line to stderr")
@@ -247,8 +267,9 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--seed", type=int, default=0)
     c.set_defaults(run=cmd_convert)
     b = sub.add_parser("bench", help="benchmarks (figures for docs/RESULTS.md)")
-    b.add_argument("--suite", choices=["runtime", "e2e"], default="runtime",
-                   help="runtime: phases of a round per backend; e2e: ours against transformers and prompt lookup")
+    b.add_argument("--suite", choices=["runtime", "e2e", "serve"], default="runtime",
+                   help="runtime: phases of a round per backend; e2e: ours against transformers and prompt lookup; "
+                        "serve: a load test of `dflow-rt serve` on loopback")
     b.add_argument("--target", default=None, help="[the bundled target, with the bundled DFlash drafter]")
     b.add_argument("--drafter", default=None, help="dflash, dflow (bundled) or a drafter directory")
     b.add_argument("--random-models", action="store_true", help="random models of the bundled size instead")
@@ -264,13 +285,20 @@ def parser() -> argparse.ArgumentParser:
     from dflow_rt.bench.e2e import add_e2e_args
 
     add_e2e_args(b)
+    from dflow_rt.bench.serve import add_serve_bench_args
+
+    add_serve_bench_args(b)
     from dflow_rt.autotune.cli import add_autotune_parser
     from dflow_rt.bench.soak import add_soak_parser
+    from dflow_rt.graphs.compile_cache import add_parser as add_compile_cache_parser
     from dflow_rt.models.fetch import add_fetch_parser
+    from dflow_rt.serve.cli import add_serve_parser
     from dflow_rt.train.cli import add_train_parser
 
     add_autotune_parser(sub)
+    add_compile_cache_parser(sub)
     add_fetch_parser(sub)
+    add_serve_parser(sub)
     add_soak_parser(sub)
     add_train_parser(sub)
     return p

@@ -8,6 +8,15 @@ from dflow_rt.errors import InputError
 from dflow_rt.requests import check_int
 
 BACKENDS = ("eager", "compile", "cudagraph")
+AUTO = "auto"  # a field the Runtime chooses at start: the autotune file's knob, else DEVICE_DEFAULTS
+
+# What "auto" becomes where no autotune entry exists for the models on this device, per device class
+# (device type, weight dtype; None = any dtype). Figures behind each choice: docs/RESULTS.md, "Defaults".
+DEVICE_DEFAULTS: dict[tuple[str, str | None], dict] = {
+    ("cpu", "float32"): {"backend": "compile", "verify_width": 2},
+    ("cpu", "bfloat16"): {"backend": "compile", "verify_width": 4},
+    ("cuda", None): {"backend": "cudagraph", "verify_width": None},
+}
 
 
 @dataclass(frozen=True)
@@ -15,12 +24,15 @@ class RuntimeConfig:
     """Static sizes of a Runtime: everything is preallocated for `max_batch` x `max_len`.
 
     backend: `eager` (the round as plain torch), `compile` (torch.compile, fullgraph, fixed
-    shapes), or `cudagraph` (compiled and captured as CUDA graphs; CUDA only).
+    shapes), `cudagraph` (compiled and captured as CUDA graphs; CUDA only), or `auto`: what
+    `dflow-rt autotune` chose for these models on this device, else DEVICE_DEFAULTS (compile on
+    CPU, cudagraph on CUDA). Compiled rounds are kept on disk (`compile_cache`).
     batch_buckets: batch sizes the round is built for (default: powers of two up to
     max_batch); a step runs the smallest bucket that covers the live rows.
     verify_width: how many of the B drafted positions the target verifies, per batch bucket
     (see `widths`); any width is lossless, and fewer positions make verify cheaper where its
-    cost grows with the width (CPU), at the price of shorter acceptances.
+    cost grows with the width (CPU), at the price of shorter acceptances. None: all B; `auto`:
+    the autotune file's widths, else DEVICE_DEFAULTS (a few positions on CPU, all on CUDA).
     length_buckets: cache lengths the round is built for; a step attends over the smallest
     one that covers every live request's next block, so attention costs what the live
     requests need, not max_len. Default: every multiple of 64 from 128 up to max_len, or
@@ -29,12 +41,17 @@ class RuntimeConfig:
     kernels: the fused ops of the round (`dflow_rt.kernels`: attention, sample, commit; rmsnorm is
     not wired yet): "auto" (FlashInfer attention and Triton on CUDA where they import, plain
     torch elsewhere), "torch", "triton", or a dict op -> backend; resolved once at construction.
-    tuned: take the backend, verify widths, length spacing and kernels that `dflow-rt autotune`
-    chose for these models on this device, when it wrote any (`dflow_rt.tuned`; the file used,
-    or the fallback to these defaults, is logged).
+    tuned: fill the `auto` fields (and kernels "auto", default length buckets) from what
+    `dflow-rt autotune` chose for these models on this device, when it wrote any (`dflow_rt.tuned`;
+    the file used is logged); False: DEVICE_DEFAULTS only. Explicit settings always win.
     emit_mask_token: by default the target never chooses the drafter's mask token (it is no text,
     and a block would read it as a hole); True lets it, as the public DFlash implementation does,
     which matters only where the mask token is an ordinary vocabulary entry (tiny test models).
+    freeze: inductor folds the weights into the compiled rounds as constants (prepacked for the CPU
+    GEMM library, projections of one input merged); torch's caches cannot keep such rounds, so every
+    Runtime compiles afresh (see `graphs.runner.compiling` and the figures in docs/RESULTS.md).
+    compile_cache: `compile` and `cudagraph` rounds are kept on disk (`dflow_rt.graphs.compile_cache`)
+    and a later Runtime of the same shapes starts from them in seconds; False compiles afresh.
     memory_limit: construction refuses a state (KV caches, relay buffer, rotary tables) larger
     than this many bytes, before allocating anything; by default, larger than the free memory
     of the models' device (`dflow_rt.limits`, which also checks every field's type and range).
@@ -42,16 +59,37 @@ class RuntimeConfig:
 
     max_batch: int = 8
     max_len: int = 4096
-    backend: str = "eager"
+    backend: str = AUTO
     block_size: int | None = None
     batch_buckets: tuple[int, ...] | None = None
     length_buckets: tuple[int, ...] | None = None
     compile_backend: str = "inductor"  # torch.compile backend; tests use "aot_eager" to check tracing fast
-    verify_width: int | dict[int, int] | None = None
+    verify_width: int | dict[int, int] | str | None = AUTO
     emit_mask_token: bool = False
-    tuned: bool = False
+    tuned: bool = True
     memory_limit: int | None = None  # bytes the preallocated state may take; None = the device's free memory
     kernels: str | dict[str, str] = "auto"
+    compile_cache: bool = True
+    freeze: bool = False
+
+    def resolve(self, target, drafter=None) -> RuntimeConfig:
+        """This config with every `auto` field chosen for these models where they sit: the autotune
+        file's knobs when `tuned` finds some, else DEVICE_DEFAULTS for the device and dtype."""
+        import dataclasses
+
+        c = self
+        if c.tuned and AUTO in (c.backend, c.verify_width, c.kernels):
+            from dflow_rt.tuned import tuned_for
+
+            c = tuned_for(c, target, drafter)
+        weight = target.lm_head.weight
+        dtype = str(weight.dtype).removeprefix("torch.")
+        defaults = DEVICE_DEFAULTS.get((weight.device.type, dtype)) or DEVICE_DEFAULTS.get((weight.device.type, None))
+        defaults = dict(defaults or {"backend": "eager", "verify_width": None})
+        block = c.block_size or (drafter.block_size if drafter is not None else 1)
+        if defaults["verify_width"] is not None:  # no wider than the block (1 without a drafter)
+            defaults["verify_width"] = min(defaults["verify_width"], block)
+        return dataclasses.replace(c, **{k: v for k, v in defaults.items() if getattr(c, k) == AUTO})
 
     def widths(self, block_size: int) -> dict[int, int]:
         """Verify width k per batch bucket: the drafter drafts all B slots, the target checks the first

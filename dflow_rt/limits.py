@@ -15,7 +15,7 @@ from dataclasses import fields
 
 import torch
 
-from dflow_rt.config import BACKENDS, RuntimeConfig
+from dflow_rt.config import AUTO, BACKENDS, RuntimeConfig
 from dflow_rt.errors import InputError
 from dflow_rt.models.layers import Rotary, reserve_positions
 from dflow_rt.requests import check_int
@@ -36,7 +36,7 @@ def _sizes(name: str, value: object, low: int, high: int) -> None:
 
 
 def _verify_width(value: object, max_batch: int) -> None:
-    if value is None:
+    if value is None or value == AUTO:
         return
     if isinstance(value, Mapping):
         for bucket, width in value.items():
@@ -66,7 +66,7 @@ def _kernels(value: object) -> None:
 FIELD_CHECKS: dict[str, Callable[[object, RuntimeConfig], object]] = {
     "max_batch": lambda v, c: check_int("max_batch", v, 1, MAX_ROWS),
     "max_len": lambda v, c: check_int("max_len", v, 2, MAX_LEN),
-    "backend": lambda v, c: _name("backend", v, BACKENDS),
+    "backend": lambda v, c: _name("backend", v, (*BACKENDS, AUTO)),
     "block_size": lambda v, c: v is None or check_int("block_size", v, 1, min(MAX_BLOCK, c.max_len - 1)),
     "batch_buckets": lambda v, c: _sizes("batch_buckets", v, 1, c.max_batch),
     "length_buckets": lambda v, c: _sizes("length_buckets", v, 2, c.max_len),
@@ -76,6 +76,8 @@ FIELD_CHECKS: dict[str, Callable[[object, RuntimeConfig], object]] = {
     "kernels": lambda v, c: _kernels(v),
     "emit_mask_token": lambda v, c: _flag("emit_mask_token", v),
     "tuned": lambda v, c: _flag("tuned", v),
+    "compile_cache": lambda v, c: _flag("compile_cache", v),
+    "freeze": lambda v, c: _flag("freeze", v),
 }
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import itertools
+import logging
 import random
 import threading
 from collections import deque
@@ -27,8 +28,8 @@ from dflow_rt.kernels import select_for
 from dflow_rt.limits import check_config, check_memory, rotary_growth
 from dflow_rt.requests import check_fits, check_int, check_sampling, cut_at_stop, prompt_tensor, stop_set
 from dflow_rt.sampling import sample, screen
-from dflow_rt.tuned import tuned_for
 
+log = logging.getLogger("dflow_rt")
 FAULT = "its logits became NaN or infinite (a numerical fault in its row, which was cleaned; other requests go on)"
 
 
@@ -54,8 +55,7 @@ class Request:
 class Runtime:
     def __init__(self, target, drafter=None, config: RuntimeConfig | None = None):
         c = check_config(RuntimeConfig() if config is None else config)
-        if c.tuned:  # the autotune job's knobs for these models on this device, when it wrote any
-            c = check_config(tuned_for(c, target, drafter))
+        c = check_config(c.resolve(target, drafter))  # "auto": the autotune file's knobs, else per-device defaults
         self.config = c
         if c.backend == "cudagraph" and target.lm_head.weight.device.type != "cuda":
             raise InputError("backend 'cudagraph' needs the models on a CUDA device")
@@ -75,15 +75,43 @@ class Runtime:
         self.rows: list[Request | None] = [None] * c.max_batch
         with rotary_growth(c.max_len, target, drafter):  # undone if construction fails
             self.state = DecodeState.allocate(target, drafter, c.max_batch, c.max_len, self.block_size)
-            with torch.inference_mode():
+            with torch.inference_mode(), self._compile_cache():
                 self.rounds = build_rounds(target, drafter, self.state, self.buckets, self.lengths, c.backend,
                                            self.mask_id or 0, self.layer_ids, c.compile_backend, self.widths,
-                                           self.kernels, plan, c.emit_mask_token)
+                                           self.kernels, plan, c.emit_mask_token, c.freeze)
         self.waiting: deque[Request] = deque()
         self.free_rows = list(range(c.max_batch))  # a heap: lowest rows first keeps buckets small
         self.requests: dict[int, Request] = {}
         self._rids = itertools.count()  # next() is atomic: add_request may run beside a step()
         self._stepping = threading.Lock()
+
+    @contextmanager
+    def _compile_cache(self) -> Iterator[None]:
+        """Compiled rounds from the disk cache when an entry for these shapes exists; saved to it when
+        this build compiled anything (`dflow_rt.graphs.compile_cache`)."""
+        c = self.config
+        self.compile_cache_hit = False
+        if c.backend == "eager" or c.compile_backend != "inductor" or not c.compile_cache or c.freeze:
+            yield
+            return
+        from torch._dynamo.utils import counters
+
+        from dflow_rt.graphs import compile_cache
+
+        # not the lengths: the rounds trace the cache length as a symbol, so one entry serves every max_len
+        settings = {"backend": c.backend, "rows": self.buckets, "widths": self.widths, "block_size": self.block_size,
+                    "mask_id": self.mask_id, "emit_mask_token": c.emit_mask_token, "layer_ids": self.layer_ids,
+                    "kernels": dict(self.kernels.backends)}
+        key, what = compile_cache.entry_key(self.target, self.drafter, settings)
+        hit = compile_cache.load(key)
+        if not hit:
+            log.warning("compiling the rounds for these shapes (minutes if torch never compiled them here; later "
+                        "Runtimes load them from %s in seconds)", compile_cache.root())
+        misses = counters["inductor"]["fxgraph_cache_miss"]
+        yield
+        if not hit or counters["inductor"]["fxgraph_cache_miss"] > misses:
+            compile_cache.save(key, what)
+        self.compile_cache_hit = hit
 
     def add_request(self, prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int = 256,
                     temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
@@ -165,7 +193,8 @@ class Runtime:
             return {}
         n = self.buckets[bisect.bisect_left(self.buckets, max(r.row for r in live) + 1)]
         length = self.lengths[bisect.bisect_left(self.lengths, max(r.position for r in live) + self.block_size)]
-        self.rounds[n, length]()
+        greedy = (n, length, True) in self.rounds and all(r.temperature == 0 for r in live)
+        self.rounds[n, length, greedy]()
         out = self.state.out[:n].tolist()  # the one host read of the round; the last column flags faults
         for row, values in enumerate(out):
             if values[-1] and self.rows[row] is None:  # padding that went non-finite: clean before reuse

@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dflow_rt.config import BACKENDS, RuntimeConfig
+from dflow_rt.config import AUTO, BACKENDS, RuntimeConfig
 
 log = logging.getLogger(__name__)
 FORMAT = 1
@@ -142,21 +142,26 @@ def load_tuned(target: str | Path | None, drafter: str | Path | None, device: ob
 
 
 def apply(config: RuntimeConfig, tuned: TunedConfig | None, block_size: int | None = None) -> RuntimeConfig:
-    """`config` with the tuned backend, verify widths and kernels, and the tuned length spacing unless it
-    names its own length buckets (explicit buckets are usually a memory decision). A batch bucket the job
-    did not measure takes the width of the nearest measured one below it (else the smallest); widths are
-    capped at `block_size` when given (a smaller --block-size than the drafter's)."""
+    """`config` with the tuned backend, verify widths and kernels where it left them "auto" (an
+    explicit setting wins), and the tuned length spacing unless it names its own length buckets
+    (explicit buckets are usually a memory decision). A batch bucket the job did not measure takes
+    the width of the nearest measured one below it (else the smallest); widths are capped at
+    `block_size` when given (a smaller --block-size than the drafter's)."""
     if tuned is None:
         return config
-    changes: dict = {"backend": tuned.backend}
-    if tuned.verify_width:
-        measured = dict(tuned.verify_width)
-        below = {n: max((m for m in measured if m <= n), default=min(measured)) for n in config.buckets()}
-        changes["verify_width"] = {n: min(measured[m], block_size or measured[m]) for n, m in below.items()}
+    changes: dict = {}
+    if config.backend == AUTO:
+        changes["backend"] = tuned.backend
+    if config.verify_width == AUTO:
+        changes["verify_width"] = None  # the job measured the whole block
+        if tuned.verify_width:
+            measured = dict(tuned.verify_width)
+            below = {n: max((m for m in measured if m <= n), default=min(measured)) for n in config.buckets()}
+            changes["verify_width"] = {n: min(measured[m], block_size or measured[m]) for n, m in below.items()}
     if tuned.length_step and config.length_buckets is None:
         step = tuned.length_step
         changes["length_buckets"] = tuple(range(max(step, 128), config.max_len, step)) or None
-    if tuned.kernels is not None:
+    if tuned.kernels is not None and config.kernels == AUTO:
         changes["kernels"] = tuned.kernels
     return dataclasses.replace(config, **changes)
 

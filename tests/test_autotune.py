@@ -111,6 +111,34 @@ def test_keys_differ_by_device_name(tmp_path, monkeypatch, reference_pair):
     assert load_tuned(TARGET, DRAFTER) is None
 
 
+def test_auto_fields_take_the_tuned_knobs_else_the_device_defaults(tmp_path, monkeypatch, reference_pair):
+    """RuntimeConfig() chooses per device: an autotune entry for these models when one exists (explicit
+    settings still win, tuned=False ignores it), else DEVICE_DEFAULTS for the device and dtype."""
+    import torch
+
+    from dflow_rt.config import AUTO, DEVICE_DEFAULTS
+
+    target, drafter = reference_pair
+    monkeypatch.setattr(configs, "tuned_dir", lambda directory=None: tmp_path)
+    plain = RuntimeConfig()
+    assert (plain.backend, plain.verify_width, plain.tuned) == (AUTO, AUTO, True)
+    cpu = DEVICE_DEFAULTS["cpu", "float32"]
+    resolved = plain.resolve(target, drafter)
+    assert (resolved.backend, resolved.verify_width) == (cpu["backend"], cpu["verify_width"])
+    knobs = {"backend": "eager", "threads": 1, "length_step": None, "buckets": {"1": {"verify_width": 5}}}
+    store({"dtype": "float32", "knobs": {"float32": knobs}}, entry_key(TARGET, DRAFTER), configs.device_name("cpu"),
+          tmp_path)
+    tuned = RuntimeConfig(max_batch=2).resolve(target, drafter)
+    assert (tuned.backend, tuned.verify_width) == ("eager", {1: 5, 2: 5})
+    mine = RuntimeConfig(max_batch=2, backend="compile").resolve(target, drafter)
+    assert (mine.backend, mine.verify_width) == ("compile", {1: 5, 2: 5})
+    off = RuntimeConfig(tuned=False).resolve(target, drafter)
+    assert (off.backend, off.verify_width) == (cpu["backend"], cpu["verify_width"])
+    half = RuntimeConfig().resolve(target.to(torch.bfloat16), drafter)  # no bf16 entry: the bf16 defaults
+    target.float()
+    assert (half.backend, half.verify_width) == tuple(DEVICE_DEFAULTS["cpu", "bfloat16"].values())
+
+
 def test_axes_vary_one_knob_or_a_joint_pair():
     start = TunedConfig("bfloat16", 1)
     joint = Axis("backend+dtype", (("compile", "float32"), ("compile", "bfloat16"), ("eager", "bfloat16")))

@@ -16,7 +16,7 @@ def demo_models(tmp_path_factory):
 
 
 def run_json(capsys, *argv):
-    assert main(["generate", *argv, "--json"]) == 0
+    assert main(["generate", *argv, "--backend", "eager", "--json"]) == 0
     return json.loads(capsys.readouterr().out)
 
 
@@ -39,22 +39,25 @@ def test_generate_verify_width(capsys):
     the tokens stay the target's own greedy ones."""
     args = ["--chat", "--prompt", "Victor has 82 buttons. He gets 47 more. How many buttons does Victor have now?",
             "--max-new-tokens", "40"]
-    full, narrow = run_json(capsys, *args), run_json(capsys, *args, "--verify-width", "2")
+    full, narrow = run_json(capsys, *args, "--verify-width", "16"), run_json(capsys, *args, "--verify-width", "2")
     assert narrow["token_ids"] == full["token_ids"] and max(full["acceptance_lengths"]) > 2
     assert max(narrow["acceptance_lengths"]) == 2
     assert len(narrow["acceptance_lengths"]) > len(full["acceptance_lengths"])
 
 
-def test_generate_tuned_takes_the_autotune_knobs_and_flags_win(capsys, tmp_path, monkeypatch):
-    """--tuned reads the file `dflow-rt autotune` writes for these models on this device: its dtype,
-    threads and verify width apply (tokens stay the target's greedy ones); --verify-width beats it;
-    with no file it says so and keeps the defaults."""
+def test_generate_takes_the_autotune_knobs_and_flags_win(capsys, tmp_path, monkeypatch):
+    """The file `dflow-rt autotune` writes for these models on this device applies without a flag, with
+    one line on stderr: its dtype, threads and verify width (tokens stay the target's greedy ones);
+    --verify-width beats it, --no-tuned ignores it; with no file, --tuned says so, and the per-device
+    defaults apply."""
+    from dflow_rt.config import DEVICE_DEFAULTS
     from dflow_rt.models.bundled import drafter_dir, target_dir
     from dflow_rt.tuned import device_name, entry_key, store
 
     monkeypatch.setenv("DFLOW_RT_CONFIG", str(tmp_path))
+    width = DEVICE_DEFAULTS["cpu", "float32"]["verify_width"]
     args = ["--chat", "--prompt", "Victor has 82 buttons. He gets 47 more. How many buttons does Victor have now?",
-            "--max-new-tokens", "40"]
+            "--max-new-tokens", "40", "--backend", "eager"]
 
     def generate(*extra):
         assert main(["generate", *args, *extra, "--json"]) == 0
@@ -62,8 +65,8 @@ def test_generate_tuned_takes_the_autotune_knobs_and_flags_win(capsys, tmp_path,
         return json.loads(out), err
 
     default, err = generate("--tuned")
-    assert "runtime defaults" in err and default["verify_width"] is None and default["dtype"] == "float32"
-    assert max(default["acceptance_lengths"]) > 3
+    assert "runtime defaults" in err and default["verify_width"] == width and default["dtype"] == "float32"
+    assert max(default["acceptance_lengths"]) == width and generate()[1] == ""  # no file, no flag: silent
 
     def write(dtype: str) -> None:
         knobs = {"threads": 1, "backend": "eager", "length_step": None, "buckets": {"1": {"verify_width": 3}}}
@@ -71,23 +74,25 @@ def test_generate_tuned_takes_the_autotune_knobs_and_flags_win(capsys, tmp_path,
               device_name("cpu"))
 
     write("float32")
-    tuned, err = generate("--tuned")
-    assert str(tmp_path / "tuned") in err and "verify width {1: 3}" in err
+    tuned, err = generate()
+    assert str(tmp_path / "tuned") in err and "verify width {1: 3}" in err and len(err.splitlines()) == 1
     assert tuned["token_ids"] == default["token_ids"] and max(tuned["acceptance_lengths"]) == 3
     assert tuned["verify_width"] == {"1": 3} and tuned["threads"] == 1
-    flagged, _ = generate("--tuned", "--verify-width", "2")
+    flagged, _ = generate("--verify-width", "2")
     assert flagged["token_ids"] == default["token_ids"] and max(flagged["acceptance_lengths"]) == 2
+    ignored, err = generate("--no-tuned")
+    assert err == "" and ignored["verify_width"] == width
     write("bfloat16")
     assert generate("--tuned")[0]["dtype"] == "bfloat16"
     fp32, err = generate("--tuned", "--dtype", "float32")  # the file holds bf16 knobs only
-    assert "runtime defaults" in err and fp32["dtype"] == "float32" and fp32["verify_width"] is None
+    assert "runtime defaults" in err and fp32["dtype"] == "float32" and fp32["verify_width"] == width
     assert fp32["token_ids"] == default["token_ids"]
 
 
 def test_generate_text_and_chat(demo_models, capsys):
     target_dir, drafter_dir = demo_models
     assert main(["generate", "--target", str(target_dir), "--drafter", str(drafter_dir), "--prompt", "hello",
-                 "--max-new-tokens", "8", "--block-size", "4", "--chat"]) == 0
+                 "--max-new-tokens", "8", "--block-size", "4", "--chat", "--backend", "eager"]) == 0
     out = capsys.readouterr().out
     assert "tau" in out and "tokens/s" in out and "rounds" in out
     chat = run_json(capsys, "--target", str(target_dir), "--prompt", "hello", "--chat", "--max-new-tokens", "4")

@@ -10,13 +10,13 @@ import torch
 
 import dflow_rt
 from dflow_rt.cli import main
-from dflow_rt.config import RuntimeConfig
 from dflow_rt.errors import CheckpointError, InputError
 from dflow_rt.models.checkpoint import load_drafter, save_model
 from dflow_rt.models.draft_vocab import FILE, build_draft_vocab, load_draft_vocab
 from dflow_rt.runtime import Runtime
 from dflow_rt.train.sequences import load_sequences, save_sequences
 from tests.conftest import FIXTURES, load_pair
+from tests.helpers import fixed
 
 CASES = json.loads((FIXTURES / "rounds.json").read_text())["cases"]
 
@@ -78,7 +78,7 @@ def test_decoding_with_a_draft_vocabulary_is_lossless(backend):
     drafter.restrict_vocab(target, torch.arange(0, vocab, 2))  # half the vocabulary: many drafts change
     cases = [CASES[2], CASES[4]]  # the prompts the drafter drafts well: 16 and 6.5 tokens a round
     prompts = [c["prompt_ids"] for c in cases]
-    config = RuntimeConfig(max_batch=2, max_len=160, backend=backend, compile_backend="aot_eager")
+    config = fixed(max_batch=2, max_len=160, backend=backend, compile_backend="aot_eager")
     outs = Runtime(target, drafter, config).generate(prompts, max_new_tokens=64)
     changed = 0
     for prompt, out, case in zip(prompts, outs, cases, strict=True):

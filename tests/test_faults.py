@@ -12,9 +12,10 @@ import threading
 import pytest
 
 import dflow_rt
-from dflow_rt import BusyError, InputError, RequestError, RuntimeConfig
+from dflow_rt import BusyError, InputError, RequestError
 from dflow_rt.runtime import Runtime
 from tests.conftest import FIXTURES
+from tests.helpers import fixed
 
 CASES = json.loads((FIXTURES / "rounds.json").read_text())["cases"]
 PROMPTS = [c["prompt_ids"] for c in CASES]
@@ -22,7 +23,7 @@ PROMPTS = [c["prompt_ids"] for c in CASES]
 
 def alone(target, drafter, prompt, n=40, **kw) -> list[int]:
     """The request's tokens with nothing else in the Runtime."""
-    return Runtime(target, drafter, RuntimeConfig(max_batch=1, max_len=160)).generate([prompt], max_new_tokens=n,
+    return Runtime(target, drafter, fixed(max_batch=1, max_len=160)).generate([prompt], max_new_tokens=n,
                                                                                       **kw)[0]
 
 
@@ -33,7 +34,7 @@ def run(rt: Runtime, rids: list[int]) -> None:
 
 def test_a_nan_row_fails_alone_and_its_row_is_clean_for_the_next_request(reference_pair):
     target, drafter = reference_pair
-    rt = Runtime(target, drafter, RuntimeConfig(max_batch=3, max_len=160))
+    rt = Runtime(target, drafter, fixed(max_batch=3, max_len=160))
     kws = [{}, {"temperature": 0.8, "seed": 4}, {"temperature": 1.0, "top_k": 5, "seed": 9}]
     rids = [rt.add_request(p, max_new_tokens=40, **kw) for p, kw in zip(PROMPTS, kws, strict=False)]
     rt.step()
@@ -72,7 +73,7 @@ def nan_prefill(reference_pair):
 def test_a_request_whose_prefill_goes_nan_fails_and_raises_in_stream_and_generate(reference_pair, nan_prefill):
     target, drafter = reference_pair
     expected = alone(target, drafter, PROMPTS[0])
-    rt = Runtime(target, drafter, RuntimeConfig(max_batch=2, max_len=160))
+    rt = Runtime(target, drafter, fixed(max_batch=2, max_len=160))
     good, bad = rt.add_request(PROMPTS[0], max_new_tokens=40), rt.add_request(nan_prefill, max_new_tokens=40)
     first = rt.step()
     assert first[bad] == [] and rt.requests[bad].error and not rt.requests[bad].emitted
@@ -104,7 +105,7 @@ def test_the_mask_token_is_never_emitted(reference_pair):
     hooks = [target.lm_head.register_forward_hook(prefer_mask)]
     try:
         assert dflow_rt.generate(target, None, prompt, max_new_tokens=30).token_ids.count(mask) > 10
-        rt = Runtime(target, drafter, RuntimeConfig(max_batch=2, max_len=160))
+        rt = Runtime(target, drafter, fixed(max_batch=2, max_len=160))
         greedy = rt.generate([prompt], max_new_tokens=30)[0]
         sampled = rt.generate([prompt, prompt], max_new_tokens=30, temperature=1.0)
         reference = dflow_rt.generate(target, drafter, prompt, max_new_tokens=30).token_ids
@@ -119,7 +120,7 @@ def test_the_mask_token_is_never_emitted(reference_pair):
 
 def test_cancel_while_waiting_running_and_finished(reference_pair):
     target, drafter = reference_pair
-    rt = Runtime(target, drafter, RuntimeConfig(max_batch=2, max_len=160))
+    rt = Runtime(target, drafter, fixed(max_batch=2, max_len=160))
     a, b, waiting = (rt.add_request(p, max_new_tokens=30) for p in PROMPTS[:3])
     rt.step()
     assert rt.requests[waiting].row == -1
@@ -142,7 +143,7 @@ def test_cancel_while_waiting_running_and_finished(reference_pair):
 def test_streams_side_by_side_keep_every_token(reference_pair):
     """Each stream's step() also runs the other's rows and a plain request's: no token is lost."""
     target, drafter = reference_pair
-    rt = Runtime(target, drafter, RuntimeConfig(max_batch=3, max_len=160))
+    rt = Runtime(target, drafter, fixed(max_batch=3, max_len=160))
     other = rt.add_request(PROMPTS[2], max_new_tokens=40)
     streams = {0: rt.stream(PROMPTS[0], max_new_tokens=40), 1: rt.stream(PROMPTS[1], max_new_tokens=25)}
     got: dict[int, list[int]] = {0: [], 1: []}
@@ -159,7 +160,7 @@ def test_streams_side_by_side_keep_every_token(reference_pair):
 
 def test_generate_leaves_nothing_behind_on_a_bad_prompt(reference_pair):
     target, drafter = reference_pair
-    rt = Runtime(target, drafter, RuntimeConfig(max_batch=2, max_len=160))
+    rt = Runtime(target, drafter, fixed(max_batch=2, max_len=160))
     with pytest.raises(InputError):
         rt.generate([PROMPTS[0], [1, 2, 10_000]], max_new_tokens=10)
     assert rt.requests == {} and not rt.waiting
@@ -167,7 +168,7 @@ def test_generate_leaves_nothing_behind_on_a_bad_prompt(reference_pair):
 
 def test_step_refuses_concurrent_and_reentrant_calls(reference_pair):
     target, drafter = reference_pair
-    rt = Runtime(target, drafter, RuntimeConfig(max_batch=2, max_len=160))
+    rt = Runtime(target, drafter, fixed(max_batch=2, max_len=160))
     rid = rt.add_request(PROMPTS[0], max_new_tokens=30)
     rounds, inside, release, results = dict(rt.rounds), threading.Event(), threading.Event(), []
 

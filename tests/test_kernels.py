@@ -15,7 +15,7 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from dflow_rt import Runtime, RuntimeConfig
+from dflow_rt import Runtime
 from dflow_rt.errors import InputError
 from dflow_rt.kernels import backend, resolve, select
 from dflow_rt.kernels.attention import attention_torch, attention_triton, block_mask
@@ -27,6 +27,7 @@ from dflow_rt.models.layers import RMSNorm
 from dflow_rt.models.relay import RelayBuffer
 from dflow_rt.sampling import uniform
 from tests.conftest import FIXTURES, load_pair
+from tests.helpers import fixed
 
 CUDA = torch.cuda.is_available()
 if not CUDA:  # read when a kernel is first launched (kernels are decorated then), not at import
@@ -297,7 +298,7 @@ def test_runtime_with_triton_kernels_emits_the_torch_tokens(pair):
     target, drafter = pair
     runs = {}
     for kernels in ("torch", "triton"):
-        rt = Runtime(target, drafter, RuntimeConfig(max_batch=2, max_len=160, kernels=kernels))
+        rt = Runtime(target, drafter, fixed(max_batch=2, max_len=160, kernels=kernels))
         assert set(rt.kernels.backends.values()) == {kernels}
         runs[kernels] = rt.generate(PROMPTS, max_new_tokens=16), rt.generate(PROMPTS[:2], **SAMPLED)
     assert runs["triton"] == runs["torch"]
@@ -307,8 +308,8 @@ def test_runtime_with_triton_kernels_emits_the_torch_tokens(pair):
 def test_compiled_round_holds_the_kernels(pair):
     """The whole round, kernels included, under torch.compile(fullgraph=True): no graph break."""
     target, drafter = pair
-    config = RuntimeConfig(max_batch=1, max_len=160, length_buckets=(160,), backend="compile",
+    config = fixed(max_batch=1, max_len=160, length_buckets=(160,), backend="compile",
                            compile_backend="aot_eager", kernels="triton")
-    expected = Runtime(target, drafter, RuntimeConfig(max_batch=1, max_len=160, kernels="torch"))
+    expected = Runtime(target, drafter, fixed(max_batch=1, max_len=160, kernels="torch"))
     assert Runtime(target, drafter, config).generate(PROMPTS[:1], max_new_tokens=12) == \
         expected.generate(PROMPTS[:1], max_new_tokens=12)

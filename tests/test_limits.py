@@ -20,7 +20,7 @@ from dflow_rt.models.checkpoint import target_config
 from dflow_rt.models.layers import DEFAULT_POSITIONS
 from dflow_rt.runtime import Runtime
 from tests.conftest import FIXTURES
-from tests.helpers import ours_from_hf, random_relay, tiny_drafter, tiny_hf_target
+from tests.helpers import fixed, ours_from_hf, random_relay, tiny_drafter, tiny_hf_target
 
 
 def test_every_config_field_has_a_check():
@@ -38,7 +38,7 @@ def test_every_config_field_has_a_check():
 ])
 def test_bad_config_fields_are_refused_by_name(reference_pair, field, value):
     target, drafter = reference_pair
-    config = dataclasses.replace(RuntimeConfig(max_batch=2, max_len=160), **{field: value})
+    config = dataclasses.replace(fixed(max_batch=2, max_len=160), **{field: value})
     with pytest.raises(InputError, match=field):
         Runtime(target, drafter, config)
 
@@ -47,11 +47,11 @@ def test_memory_is_checked_before_anything_is_allocated(reference_pair):
     target, drafter = reference_pair
     tables = [(m.rotary.cos, m.rotary.sin) for m in (target, drafter)]
     need = sum(cache_bytes(target, drafter, 2, 160, drafter.block_size).values())
-    Runtime(target, drafter, RuntimeConfig(max_batch=2, max_len=160, memory_limit=need))
+    Runtime(target, drafter, fixed(max_batch=2, max_len=160, memory_limit=need))
     with pytest.raises(InputError, match="max_batch 2 x max_len 160 needs .* memory_limit"):
-        Runtime(target, drafter, RuntimeConfig(max_batch=2, max_len=160, memory_limit=need - 1))
+        Runtime(target, drafter, fixed(max_batch=2, max_len=160, memory_limit=need - 1))
     with pytest.raises(InputError, match="free memory"):  # terabytes of cache: refused, not allocated
-        Runtime(target, drafter, RuntimeConfig(max_batch=1 << 16, max_len=1 << 24))
+        Runtime(target, drafter, fixed(max_batch=1 << 16, max_len=1 << 24))
     assert [(m.rotary.cos, m.rotary.sin) for m in (target, drafter)] == tables
 
 
@@ -65,10 +65,10 @@ def test_a_failed_runtime_leaves_the_models_as_they_were(reference_pair, monkeyp
 
     monkeypatch.setattr("dflow_rt.runtime.build_rounds", broken)
     with pytest.raises(RuntimeError, match="compiler failure"):
-        Runtime(target, drafter, RuntimeConfig(max_batch=1, max_len=longer))
+        Runtime(target, drafter, fixed(max_batch=1, max_len=longer))
     assert [(m.rotary.cos, m.rotary.sin) for m in (target, drafter)] == before
     monkeypatch.undo()
-    Runtime(target, drafter, RuntimeConfig(max_batch=1, max_len=longer))  # a Runtime that succeeds grows them
+    Runtime(target, drafter, fixed(max_batch=1, max_len=longer))  # a Runtime that succeeds grows them
     assert target.rotary.cos.shape[0] == drafter.rotary.cos.shape[0] == longer
 
 
@@ -86,7 +86,7 @@ def test_rotary_tables_are_sized_by_need_not_by_the_config(target_dir):
     edit(target_dir, max_position_embeddings=1 << 24)
     target = dflow_rt.load_target(target_dir)
     assert target.rotary.cos.shape[0] == DEFAULT_POSITIONS
-    Runtime(target, None, RuntimeConfig(max_batch=1, max_len=5000))
+    Runtime(target, None, fixed(max_batch=1, max_len=5000))
     assert target.rotary.cos.shape[0] == 5000
 
 

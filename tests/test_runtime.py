@@ -10,7 +10,7 @@ import dflow_rt
 from dflow_rt.config import RuntimeConfig
 from dflow_rt.runtime import Runtime
 from tests.conftest import FIXTURES
-from tests.helpers import random_relay
+from tests.helpers import fixed, random_relay
 
 CASES = json.loads((FIXTURES / "rounds.json").read_text())["cases"]
 
@@ -25,8 +25,8 @@ def per_round(rt: Runtime, prompts, max_new_tokens):
     return [rt.pop(r).emitted for r in rids], [counts[r] for r in rids]
 
 
-def record_buckets(rt: Runtime) -> set[tuple[int, int]]:
-    """The (rows, length) buckets that `rt`'s steps run from now on."""
+def record_buckets(rt: Runtime) -> set[tuple[int, int, bool]]:
+    """The (rows, length, greedy) buckets that `rt`'s steps run from now on."""
     used = set()
 
     def recording(key, run):
@@ -48,11 +48,11 @@ def reference_counts(out):
 @pytest.mark.parametrize("backend", ["eager", "compile"])
 def test_backends_match_reference_round(reference_pair, backend):
     target, drafter = reference_pair
-    rt = Runtime(target, drafter, RuntimeConfig(max_batch=4, max_len=160, backend=backend, emit_mask_token=True,
+    rt = Runtime(target, drafter, fixed(max_batch=4, max_len=160, backend=backend, emit_mask_token=True,
                                                 length_buckets=(48, 80, 112), compile_backend="aot_eager"))
     used = record_buckets(rt)
     outs, counts = per_round(rt, [c["prompt_ids"] for c in CASES], 64)
-    assert len({L for _, L in used}) >= 2, used
+    assert len({L for _, L, _ in used}) >= 2, used
     assert any(drafter.config.mask_token_id in c["output_ids"] for c in CASES)  # the public round emits it here
     for case, out, cnt in zip(CASES, outs, counts, strict=True):
         ref = dflow_rt.generate(target, drafter, case["prompt_ids"], max_new_tokens=64, emit_mask_token=True)
@@ -61,22 +61,25 @@ def test_backends_match_reference_round(reference_pair, backend):
 
 
 def test_inductor_round_matches_reference_round(reference_pair):
-    """The real compiler path (inductor, frozen weights, symbolic cache length, the sampler
-    behind torch.cond), one batch bucket of 2 rows: greedy rounds as the reference, sampled ones as
-    eager, three requests sharing the two rows."""
+    """The real compiler path (inductor, symbolic cache length, a greedy and a sampling variant
+    chosen by the host), one batch bucket of 2 rows: greedy rounds as the reference and on the
+    greedy variant, sampled ones as eager and on the sampling variant, three requests sharing
+    the two rows."""
     target, drafter = reference_pair
-    rt = Runtime(target, drafter, RuntimeConfig(max_batch=2, batch_buckets=(2,), max_len=160, backend="compile",
+    rt = Runtime(target, drafter, fixed(max_batch=2, batch_buckets=(2,), max_len=160, backend="compile",
                                                 length_buckets=(64,)))
     used = record_buckets(rt)
     outs, counts = per_round(rt, [c["prompt_ids"] for c in CASES[:3]], 64)
     for case, out, cnt in zip(CASES[:3], outs, counts, strict=True):
         ref = dflow_rt.generate(target, drafter, case["prompt_ids"], max_new_tokens=64)
         assert out == ref.token_ids == case["output_ids"] and cnt == reference_counts(ref)
-    assert {L for _, L in used} == {64, 160}
-    eager = Runtime(target, drafter, RuntimeConfig(max_batch=2, max_len=160))
+    assert {L for _, L, _ in used} == {64, 160} and {g for _, _, g in used} == {True}
+    eager = Runtime(target, drafter, fixed(max_batch=2, max_len=160))
     kw = {"max_new_tokens": 48, "temperature": 1.0, "top_p": 0.9, "seed": 3}
     pair = [CASES[0]["prompt_ids"], CASES[1]["prompt_ids"]]
+    used.clear()
     assert rt.generate(pair, **kw) == eager.generate(pair, **kw)
+    assert {g for _, _, g in used} == {False}
 
 
 @pytest.mark.parametrize("backend", ["eager", "compile"])
@@ -84,8 +87,8 @@ def test_greedy_and_sampled_rows_share_a_round(reference_pair, backend):
     """Greedy rounds skip the sampler on CPU; a batch mixing greedy and sampled rows must
     still give each request exactly the tokens it gets alone."""
     target, drafter = reference_pair
-    cfg = RuntimeConfig(max_batch=4, max_len=160, backend=backend, compile_backend="aot_eager")
-    rt, alone = Runtime(target, drafter, cfg), Runtime(target, drafter, RuntimeConfig(max_batch=1, max_len=160))
+    cfg = fixed(max_batch=4, max_len=160, backend=backend, compile_backend="aot_eager")
+    rt, alone = Runtime(target, drafter, cfg), Runtime(target, drafter, fixed(max_batch=1, max_len=160))
     kws = [{}, {"temperature": 1.0, "seed": 5}, {}, {"temperature": 0.8, "top_k": 4, "seed": 6}]
     rids = [rt.add_request(c["prompt_ids"], max_new_tokens=40, **kw) for c, kw in zip(CASES, kws, strict=False)]
     while not all(rt.is_finished(r) for r in rids):
@@ -99,7 +102,7 @@ def test_greedy_and_sampled_rows_share_a_round(reference_pair, backend):
 def test_dflow_relay_in_static_round_matches_reference_round(reference_pair, relay_input):
     target, parent = reference_pair
     drafter = random_relay(parent, relay_input=relay_input)
-    rt = Runtime(target, drafter, RuntimeConfig(max_batch=2, max_len=160))
+    rt = Runtime(target, drafter, fixed(max_batch=2, max_len=160))
     outs, counts = per_round(rt, [c["prompt_ids"] for c in CASES[:4]], 48)
     for case, out, cnt in zip(CASES[:4], outs, counts, strict=True):
         ref = dflow_rt.generate(target, drafter, case["prompt_ids"], max_new_tokens=48)
@@ -111,7 +114,7 @@ def test_static_round_projects_the_relay_buffer_once(reference_pair):
     not once for the context and again for the relay."""
     target, parent = reference_pair
     drafter = random_relay(parent)
-    rt = Runtime(target, drafter, RuntimeConfig(max_batch=2, max_len=160, backend="eager"))
+    rt = Runtime(target, drafter, fixed(max_batch=2, max_len=160, backend="eager"))
     rt.add_request(CASES[0]["prompt_ids"], max_new_tokens=100)
     rt.step()  # prefill and a first round
     calls = []
@@ -127,10 +130,10 @@ def test_no_recompiles_and_fixed_storage_over_200_rounds(reference_pair):
     target, drafter = reference_pair
     torch._dynamo.reset()
     counters.clear()
-    rt = Runtime(target, drafter, RuntimeConfig(max_batch=4, max_len=2048, backend="compile",
+    rt = Runtime(target, drafter, fixed(max_batch=4, max_len=2048, backend="compile",
                                                 length_buckets=(48, 64, 96), compile_backend="aot_eager"))
     graphs = counters["stats"]["unique_graphs"]
-    assert graphs == len(rt.buckets), "one graph per batch bucket, the cache length symbolic"
+    assert graphs == 2 * len(rt.buckets), "per batch bucket, a greedy and a sampling graph; the length symbolic"
     used = record_buckets(rt)
     ptrs = [t.data_ptr() for t in rt.state.tensors()]
     rounds, sizes, accepted = 0, set(), set()
@@ -150,12 +153,12 @@ def test_no_recompiles_and_fixed_storage_over_200_rounds(reference_pair):
     assert counters["stats"]["unique_graphs"] == graphs, "a step recompiled"
     assert [t.data_ptr() for t in rt.state.tensors()] == ptrs
     assert len(sizes) >= 3 and len(accepted) >= 3, (sizes, accepted)
-    assert len({n for n, _ in used}) >= 2 and len({L for _, L in used}) >= 3, used
+    assert len({n for n, _, _ in used}) >= 2 and len({L for _, L, _ in used}) >= 3, used
 
 
 def test_requests_join_leave_and_cancel(reference_pair):
     target, drafter = reference_pair
-    rt = Runtime(target, drafter, RuntimeConfig(max_batch=2, max_len=160))
+    rt = Runtime(target, drafter, fixed(max_batch=2, max_len=160))
     a = rt.add_request(CASES[0]["prompt_ids"], max_new_tokens=30)
     rt.step()
     b = rt.add_request(CASES[1]["prompt_ids"], max_new_tokens=30)
@@ -177,13 +180,13 @@ def test_bad_buckets_are_refused(reference_pair):
     for bad in ({"batch_buckets": (0,)}, {"batch_buckets": (5,)}, {"length_buckets": (drafter.block_size,)},
                 {"length_buckets": (200,)}):
         with pytest.raises(dflow_rt.InputError, match="buckets"):
-            Runtime(target, drafter, RuntimeConfig(max_batch=4, max_len=160, **bad))
+            Runtime(target, drafter, fixed(max_batch=4, max_len=160, **bad))
 
 
 def test_finished_requests_are_released(reference_pair):
     """A long-running Runtime holds no record of requests it has handed back."""
     target, drafter = reference_pair
-    rt = Runtime(target, drafter, RuntimeConfig(max_batch=2, max_len=160))
+    rt = Runtime(target, drafter, fixed(max_batch=2, max_len=160))
     a = rt.add_request(CASES[0]["prompt_ids"], max_new_tokens=30)
     rt.step()
     with pytest.raises(dflow_rt.InputError, match="still running"):
@@ -202,7 +205,7 @@ def test_finished_requests_are_released(reference_pair):
 
 def test_stop_tokens_and_bad_requests(reference_pair):
     target, drafter = reference_pair
-    rt = Runtime(target, drafter, RuntimeConfig(max_batch=2, max_len=128))
+    rt = Runtime(target, drafter, fixed(max_batch=2, max_len=128))
     full = CASES[0]["output_ids"]
     stop = full[10]
     [out] = rt.generate([CASES[0]["prompt_ids"]], max_new_tokens=64, stop_token_ids=[stop])
@@ -212,13 +215,13 @@ def test_stop_tokens_and_bad_requests(reference_pair):
     with pytest.raises(dflow_rt.InputError):
         rt.add_request([1, 2], temperature=-1)
     with pytest.raises(dflow_rt.InputError):
-        Runtime(target, drafter, RuntimeConfig(backend="cudagraph"))
+        Runtime(target, drafter, fixed(backend="cudagraph"))
 
 
 def test_sampling_is_reproducible_and_pathwise_autoregressive(reference_pair):
     target, drafter = reference_pair
-    spec = Runtime(target, drafter, RuntimeConfig(max_batch=4, max_len=160))
-    plain = Runtime(target, None, RuntimeConfig(max_batch=4, max_len=160))
+    spec = Runtime(target, drafter, fixed(max_batch=4, max_len=160))
+    plain = Runtime(target, None, fixed(max_batch=4, max_len=160))
     prompts = [c["prompt_ids"] for c in CASES[:4]]
 
     def without_mask(module, inputs, logits):  # the law speculation samples: the target's, less the mask token
@@ -244,7 +247,7 @@ def test_finished_rows_stay_inside_a_tight_cache(reference_pair):
     # (about 1 token a round) still runs beside it.
     prompts = [CASES[2]["prompt_ids"], CASES[5]["prompt_ids"], CASES[2]["prompt_ids"]]
     max_new = 40
-    rt = Runtime(target, drafter, RuntimeConfig(max_batch=2, max_len=max(map(len, prompts)) + max_new + 16))
+    rt = Runtime(target, drafter, fixed(max_batch=2, max_len=max(map(len, prompts)) + max_new + 16))
     outs = rt.generate(prompts, max_new_tokens=max_new)
     for p, out in zip(prompts, outs, strict=True):
         assert out == dflow_rt.generate(target, drafter, p, max_new_tokens=max_new).token_ids
@@ -260,7 +263,7 @@ def test_every_verify_width_matches_the_reference_round(reference_pair, relay):
     greedy = [c["output_ids"][:40] for c in CASES[:3]]
     longest = {}
     for k in range(1, drafter.block_size + 1):
-        rt = Runtime(target, drafter, RuntimeConfig(max_batch=2, max_len=96, verify_width=k))
+        rt = Runtime(target, drafter, RuntimeConfig(backend="eager", max_batch=2, max_len=96, verify_width=k))
         outs, counts = per_round(rt, prompts, 40)
         for prompt, out, cnt, truth in zip(prompts, outs, counts, greedy, strict=True):
             ref = dflow_rt.generate(target, drafter, prompt, max_new_tokens=40, verify_width=k)
@@ -284,7 +287,7 @@ def test_verify_width_per_batch_bucket(reference_pair):
     assert outs == [c["output_ids"][:40] for c in CASES[:4]]
     for bad in ({2: 3}, {1: 0}, {1: 17}, 1.5):
         with pytest.raises(dflow_rt.InputError, match="verify_width"):
-            Runtime(target, drafter, RuntimeConfig(max_batch=4, max_len=96, batch_buckets=(1, 4), verify_width=bad))
+            Runtime(target, drafter, fixed(max_batch=4, max_len=96, batch_buckets=(1, 4), verify_width=bad))
 
 
 def rt_acceptance(rt: Runtime, prompt) -> list[int]:

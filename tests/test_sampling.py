@@ -8,12 +8,11 @@ import pytest
 import torch
 from transformers import SuppressTokensLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-import dflow_rt
 from dflow_rt.models.drafter import relay_off
 from dflow_rt.runtime import Runtime
 from dflow_rt.sampling import sample
 from tests.conftest import FIXTURES
-from tests.helpers import ours_from_hf, random_relay, tiny_drafter, tiny_hf_target
+from tests.helpers import fixed, ours_from_hf, random_relay, tiny_drafter, tiny_hf_target
 
 N = 20_000
 PROMPT = [1, 3, 0, 2]
@@ -62,7 +61,7 @@ def test_speculative_sampling_matches_target_sampling(temperature, top_k, top_p)
     hf.model.embed_tokens.weight.data *= 0.5  # softer logits: every joint outcome has mass
     target = ours_from_hf(hf)
     drafter = tiny_drafter(target, seed=3, block_size=4)
-    rt = Runtime(target, drafter, dflow_rt.RuntimeConfig(max_batch=N, max_len=16, batch_buckets=(N,)))
+    rt = Runtime(target, drafter, fixed(max_batch=N, max_len=16, batch_buckets=(N,)))
     rids = [rt.add_request(PROMPT, max_new_tokens=3, temperature=temperature, top_k=top_k, top_p=top_p, seed=i)
             for i in range(N)]
     accepted = Counter()
@@ -133,7 +132,7 @@ def test_sampling_with_often_accepted_drafts_matches_target_sampling(setting, te
     target = ours_from_hf(hf)
     drafter = tiny_drafter(target, seed=3, block_size=4)
     mask = drafter.config.mask_token_id
-    rt = Runtime(target, drafter, dflow_rt.RuntimeConfig(max_batch=N, max_len=16, batch_buckets=(N,)))
+    rt = Runtime(target, drafter, fixed(max_batch=N, max_len=16, batch_buckets=(N,)))
     drafter.propose = oracle_propose(rt, mask)
     rids = [rt.add_request(PROMPT, max_new_tokens=4, temperature=temperature, top_k=top_k, top_p=top_p,
                            seed=setting * N + i) for i in range(N)]
@@ -156,7 +155,7 @@ def test_relay_under_sampling_changes_drafts_not_tokens(reference_pair):
     prompts = [c["prompt_ids"] for c in json.loads((FIXTURES / "rounds.json").read_text())["cases"][:4]]
     runs = {}
     for relay in (True, False):
-        rt = Runtime(target, drafter, dflow_rt.RuntimeConfig(max_batch=4, max_len=160))
+        rt = Runtime(target, drafter, fixed(max_batch=4, max_len=160))
         with relay_off(drafter, not relay):
             rids = [rt.add_request(p, max_new_tokens=48, temperature=0.8, top_p=0.95, seed=21 + i)
                     for i, p in enumerate(prompts)]

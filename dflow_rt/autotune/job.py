@@ -162,7 +162,8 @@ class Tuner:
         if (point, ar) not in self.runtimes:
             target, drafter = self.load(point.dtype)
             torch.set_num_threads(point.threads)  # compiled kernels keep the thread count they were built with
-            base = RuntimeConfig(max_batch=max(self.batches), max_len=self.max_len, batch_buckets=self.batches)
+            base = RuntimeConfig(max_batch=max(self.batches), max_len=self.max_len, batch_buckets=self.batches,
+                                 tuned=False)
             self.runtimes[point, ar] = Runtime(target, None if ar else drafter, apply(base, point, self.block_size))
         return self.runtimes[point, ar]
 

@@ -39,7 +39,7 @@ def runtime_runner(target, drafter, backend: str, batch: int, max_len: int, stop
     """A Runtime with exactly one batch bucket, built (and compiled) now, so that building is
     never timed; a call admits its prompts together, as a server would admit a full batch."""
     config = RuntimeConfig(max_batch=batch, max_len=max_len, backend=backend, batch_buckets=(batch,),
-                           verify_width=verify_width, compile_backend=compile_backend)
+                           verify_width=verify_width, compile_backend=compile_backend, tuned=False)
     rt = Runtime(target, drafter, config)
 
     def run(prompts: list[list[int]], max_new: int) -> Run:

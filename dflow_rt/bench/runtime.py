@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from dflow_rt.config import RuntimeConfig
 from dflow_rt.graphs import batched_round
-from dflow_rt.graphs.runner import compile_static, compiling, greedy_shortcut, mark_length_dynamic
+from dflow_rt.graphs.runner import compile_static, compiling, mark_length_dynamic
 from dflow_rt.runtime import Runtime
 
 
@@ -33,7 +33,7 @@ def _sync(device: torch.device) -> None:
 def _runtime(target, drafter, backend: str, batch: int, prompts, max_new: int, width: int | None) -> Runtime:
     max_len = max(len(p) for p in prompts) + max_new + 2 * (drafter.block_size if drafter else 1)
     rt = Runtime(target, drafter, RuntimeConfig(max_batch=batch, max_len=max_len, backend=backend,
-                                                batch_buckets=(batch,), verify_width=width))
+                                                batch_buckets=(batch,), verify_width=width, tuned=False))
     for p in prompts[:batch]:
         rt.add_request(p, max_new_tokens=max_new)
     rt.step()  # admission + prefill, not timed
@@ -94,7 +94,7 @@ def phases(target, drafter, backend: str, batch: int, prompts, rounds: int, widt
     mask_id = drafter.config.mask_token_id if drafter is not None else 0
     fns = {"draft": functools.partial(batched_round.draft, target, drafter, mask_token_id=mask_id, width=width),
            "verify": functools.partial(batched_round.verify, target, layer_ids=rt.layer_ids,
-                                       greedy_shortcut=greedy_shortcut(device)), "commit": batched_round.commit}
+                                       greedy=True), "commit": batched_round.commit}
     if backend != "eager":
         for view in views.values():
             mark_length_dynamic(view)

@@ -59,7 +59,8 @@ def build_pool(target, drafter, tokenizer, n_prompts: int, max_new: tuple[int, .
     per_suite = -(-n_prompts // 3)
     base = [p for s in ("code", "math", "chat") for p in suite_prompts(tokenizer, s, per_suite)]
     prompts = [p[-LENGTHS[i % len(LENGTHS)]:] for i, p in enumerate(base[:n_prompts])]
-    alone = Runtime(target, drafter, RuntimeConfig(max_batch=1, max_len=max_len))
+    alone = Runtime(target, drafter, RuntimeConfig(max_batch=1, max_len=max_len, backend="eager",
+                                                   verify_width=None, tuned=False))
     expected = {}
     for i, p in enumerate(tqdm(prompts, desc="expected outputs", leave=False)):
         expected[i, 0] = dflow_rt.generate(target, None, p, max_new_tokens=max(max_new)).token_ids
@@ -107,7 +108,8 @@ def run_soak(target, drafter, tokenizer, rounds: int = 10_000, backend: str = "e
     """Run `rounds` steps under churn and return the figures (see the module docstring)."""
     rng = random.Random(seed)
     pool = build_pool(target, drafter, tokenizer, n_prompts, max_new, max_len)
-    rt = Runtime(target, drafter, RuntimeConfig(max_batch=max_batch, max_len=max_len, backend=backend))
+    rt = Runtime(target, drafter, RuntimeConfig(max_batch=max_batch, max_len=max_len, backend=backend,
+                                                verify_width=None, tuned=False))
     graphs, bad = graphs_compiled(), bad_requests(target.config.vocab_size, max_len)
     meta: dict[int, tuple] = {}  # rid -> (prompt, setting, max_new, stop kind)
     tally = {"finished": 0, "cancelled": 0, "exact": 0, "failed": 0, "bad": 0, "bad_refused": 0, "mismatches": []}

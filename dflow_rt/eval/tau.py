@@ -80,7 +80,8 @@ def measure_tau(target, drafter, prompts: list[list[int]], suite: str = "", temp
     from tqdm import tqdm
 
     max_len = max(map(len, prompts)) + max_new_tokens + drafter.block_size
-    rt = Runtime(target, drafter, RuntimeConfig(max_batch=batch, max_len=max_len, backend="eager"))
+    rt = Runtime(target, drafter, RuntimeConfig(max_batch=batch, max_len=max_len, backend="eager",
+                                                verify_width=None, tuned=False))
     rids = [rt.add_request(p, max_new_tokens=max_new_tokens, temperature=temperature, stop_token_ids=stop_token_ids,
                            seed=prompt_seed(suite, i)) for i, p in enumerate(prompts)]
     quiet = not sys.stderr.isatty()  # a log file gets a line every 30 s, not every round

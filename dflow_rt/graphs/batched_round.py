@@ -44,37 +44,29 @@ def _fused(kernels: Kernels | None, op: str):
     return None if kernels is None or kernels.backends[op] == "torch" else getattr(kernels, op)
 
 
-def verify(target, s: DecodeState, block: torch.Tensor, layer_ids: tuple[int, ...], greedy_shortcut: bool = False,
+def verify(target, s: DecodeState, block: torch.Tensor, layer_ids: tuple[int, ...], greedy: bool = False,
            exclude: int | None = None, kernels: Kernels | None = None):
     """The target's choice at every position of `block` (greedy or sampled) and its features.
 
     Token `exclude` (the drafter's mask token) is never chosen, and a row whose logits hold a
     NaN or inf is marked in `s.faulted` (see `sampling.screen`).
 
-    `block` may be the first k of the B drafted slots: verifying fewer positions costs less
+    `block` may be the first k of the B drafted positions: verifying fewer positions costs less
     per round (on CPU, verify time grows with k), and any k is lossless.
 
-    With `greedy_shortcut`, a round in which no row samples (padding rows have temperature
-    0) takes the argmax and skips the sampler's softmax, sort and cumsums over the vocabulary:
-    about a tenth of a batch-4 round on CPU. Deciding reads a device value (`torch.cond` when
-    compiled), which is free on CPU but a sync on CUDA and impossible inside a CUDA graph, so
-    the Runtime asks for it on CPU only.
+    `greedy` (a round in which no row samples; the host knows, from its requests) takes the
+    argmax and skips the sampler's softmax, sort and cumsums over the vocabulary: about a tenth
+    of a batch-4 round on CPU. A host flag rather than a device branch: no read of the device,
+    and nothing (such as `torch.cond`) that keeps torch's compile caches from storing the round.
     """
     pos = s.start[:, None] + s.slots[:block.shape[1]]
     logits, features = target(block, pos, s.target_cache, layer_ids=layer_ids, attention=_fused(kernels, "attention"))
     s.faulted.logical_or_(screen(logits, exclude))
+    if greedy:
+        return logits.argmax(-1), features
     args = (logits, s.temperature, s.top_k, s.top_p, s.seed, pos + 1)
     pick = sample if _fused(kernels, "sample") is None else _sampler(kernels.sample)
-    if not greedy_shortcut:
-        return pick(*args), features
-    sampling = (s.temperature > 0).any()
-    if torch.compiler.is_compiling():
-        return torch.cond(sampling, pick, _argmax, args), features
-    return (pick(*args) if sampling else _argmax(*args)), features
-
-
-def _argmax(logits: torch.Tensor, *_) -> torch.Tensor:
-    return logits.argmax(-1)
+    return pick(*args), features
 
 
 def _sampler(kernel):
@@ -97,14 +89,14 @@ def commit(s: DecodeState, block: torch.Tensor, verified: torch.Tensor, features
 
 
 def decode_round(target, drafter, state: DecodeState, mask_token_id: int, layer_ids: tuple[int, ...],
-                 greedy_shortcut: bool = False, verify_width: int | None = None,
+                 greedy: bool = False, verify_width: int | None = None,
                  kernels: Kernels | None = None, emit_mask_token: bool = False) -> None:
     """One round; the target verifies the first `verify_width` drafted positions (default all),
-    never choosing the mask token unless `emit_mask_token`.
+    never choosing the mask token unless `emit_mask_token`; `greedy` when no live row samples.
 
     The last column of `state.out` reports each row's fault flag with its tokens: one host read."""
     block = draft(target, drafter, state, mask_token_id, kernels, verify_width)
     exclude = None if drafter is None or emit_mask_token else mask_token_id
-    verified, features = verify(target, state, block, layer_ids, greedy_shortcut, exclude, kernels)
+    verified, features = verify(target, state, block, layer_ids, greedy, exclude, kernels)
     commit(state, block, verified, features, _fused(kernels, "commit") or commit_torch)
     state.out[:, -1].copy_(state.faulted)

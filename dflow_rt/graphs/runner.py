@@ -12,7 +12,7 @@ from dflow_rt.graphs.batched_round import decode_round
 from dflow_rt.graphs.state import DecodeState
 from dflow_rt.kernels import Kernels
 
-Bucket = tuple[int, int]  # (rows, cache length)
+Bucket = tuple[int, int, bool]  # (rows, cache length, greedy: no live row samples)
 
 
 def build_rounds(target, drafter, state: DecodeState, buckets: tuple[int, ...], lengths: tuple[int, ...],
@@ -20,52 +20,59 @@ def build_rounds(target, drafter, state: DecodeState, buckets: tuple[int, ...], 
                  compile_backend: str = "inductor", widths: dict[int, int] | None = None,
                  kernels: Kernels | None = None,
                  plan: Callable[[int, int], None] | None = None,
-                 emit_mask_token: bool = False) -> dict[Bucket, Callable[[], None]]:
-    """One zero-argument callable per (rows, length) bucket, running the round on rows [0, rows)
-    over cache positions [0, length), verifying the first `widths[rows]` drafted positions,
-    with the fused ops of `kernels`. `plan(rows, length)`, when given, runs on the host before
-    every run of a bucket (FlashInfer's planning), outside any captured graph or compiled code.
+                 emit_mask_token: bool = False, freeze: bool = False) -> dict[Bucket, Callable[[], None]]:
+    """One zero-argument callable per (rows, length, greedy) bucket, running the round on rows
+    [0, rows) over cache positions [0, length), verifying the first `widths[rows]` drafted
+    positions, with the fused ops of `kernels`; the greedy variant (for rounds in which no row
+    samples) skips the sampler (`batched_round.verify`). `plan(rows, length)`, when given, runs
+    on the host before every run of a bucket (FlashInfer's planning), outside any captured
+    graph or compiled code.
 
-    Compiled rounds trace one graph per row count with the cache length symbolic; each row
-    count runs here at its shortest and longest length (no row is live yet, so these runs
-    change no request): no step ever compiles (tested over lengths in between). Inductor
-    freezes the weights, so a Runtime keeps the weights it was built with.
-    On CPU, all-greedy rounds skip the sampler (`round.verify`).
+    Compiled rounds trace one graph per row count and variant with the cache length symbolic;
+    each runs here at its shortest and longest length (no row is live yet, so these runs
+    change no request): no step ever compiles (tested over lengths in between). Weights are
+    graph inputs, not constants, unless `freeze` (`compiling`), so torch's caches can keep the code.
     """
     views = {(n, L): state.view(n, L) for n in buckets for L in lengths}
+    variants = greedy_variants(backend)
     fn = functools.partial(decode_round, target, drafter, mask_token_id=mask_token_id, layer_ids=layer_ids,
-                           greedy_shortcut=greedy_shortcut(state.tokens.device), kernels=kernels,
-                           emit_mask_token=emit_mask_token)
+                           kernels=kernels, emit_mask_token=emit_mask_token)
     if backend != "eager":
-        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 2 * len(buckets))
+        # every Runtime adds its graphs (two lengths x variants per row count) to the round's code object
+        cfg, graphs = torch._dynamo.config, 2 * len(buckets) * len(variants)
+        cfg.recompile_limit += graphs
+        cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, cfg.recompile_limit)
         for view in views.values():
             mark_length_dynamic(view)
         fn = compile_static(fn, compile_backend)
     widths = widths or {}
-    rounds = {(n, L): functools.partial(fn, view, verify_width=widths.get(n)) for (n, L), view in views.items()}
+    rounds = {(n, L, g): functools.partial(fn, view, verify_width=widths.get(n), greedy=g)
+              for (n, L), view in views.items() for g in variants}
     if plan is not None:  # each bucket planned before its first run (compiling or capturing)
-        for key in rounds:
-            plan(*key)
-    with compiling(compile_backend, state.tokens.device):
+        for n, L, _ in rounds:
+            plan(n, L)
+    with compiling(compile_backend, state.tokens.device, freeze):
         if backend == "cudagraph":
             rounds = capture_cuda_graphs(rounds)
         elif backend == "compile":  # the graph has a symbolic length: the shortest and longest bucket
             for n in buckets:        # of each row count compile it and check its guards at both ends
                 for L in (lengths[0], lengths[-1]):
-                    rounds[n, L]()
+                    for g in variants:
+                        rounds[n, L, g]()
     if plan is None:
         return rounds
-    return {key: functools.partial(_planned, plan, key, run) for key, run in rounds.items()}
+    return {key: functools.partial(_planned, plan, key[:2], run) for key, run in rounds.items()}
 
 
-def _planned(plan: Callable[[int, int], None], key: Bucket, run: Callable[[], None]) -> None:
+def _planned(plan: Callable[[int, int], None], key: tuple[int, int], run: Callable[[], None]) -> None:
     plan(*key)
     run()
 
 
-def greedy_shortcut(device: torch.device) -> bool:
-    """Whether rounds on `device` may read a device flag to skip the sampler (see `round.verify`)."""
-    return device.type == "cpu"
+def greedy_variants(backend: str) -> tuple[bool, ...]:
+    """The round variants built per bucket: sampling, and greedy (which skips the sampler) except
+    for `cudagraph`, where a second captured graph per bucket costs capture time and memory."""
+    return (False,) if backend == "cudagraph" else (False, True)
 
 
 def compile_static(fn: Callable, compile_backend: str = "inductor") -> Callable:
@@ -73,16 +80,16 @@ def compile_static(fn: Callable, compile_backend: str = "inductor") -> Callable:
     return torch.compile(fn, fullgraph=True, dynamic=False, backend=compile_backend)
 
 
-def compiling(compile_backend: str, device: torch.device) -> contextlib.AbstractContextManager:
-    """Where compiled rounds run first (and so compile). Inductor freezes the weights, which
-    folds them into the graph as constants (prepacked for the CPU GEMM library) and lets it
-    merge projections of the same input (q/k/v, gate/up) into one GEMM, which inductor does
-    on CUDA by default and on CPU when asked (2-8 % of a batch-4 round here). On CPU its
-    wrapper around the kernels is C++, which saves about a millisecond of Python per round."""
+def compiling(compile_backend: str, device: torch.device, freeze: bool = False) -> contextlib.AbstractContextManager:
+    """Where compiled rounds run first (and so compile). On CPU inductor's wrapper around the
+    kernels is C++, which saves about a millisecond of Python per round. `freeze` folds the
+    weights into the graph as constants (prepacked for the CPU GEMM library, projections of one
+    input merged into one GEMM), but torch's caches cannot store a frozen graph, so every start
+    compiles again; unfrozen rounds decode as fast on CPU (docs/RESULTS.md) and start from the cache."""
     if compile_backend != "inductor":
         return contextlib.nullcontext()
     cpu = device.type == "cpu"
-    return torch._inductor.config.patch({"freezing": True, "cpp_wrapper": cpu, "cpp.enable_concat_linear": cpu})
+    return torch._inductor.config.patch({"freezing": freeze, "cpp_wrapper": cpu, "cpp.enable_concat_linear": cpu})
 
 
 def mark_length_dynamic(view: DecodeState) -> None:

@@ -1,0 +1,103 @@
+"""`dflow-rt serve`: load the models as `generate` does, build one Runtime and serve it over HTTP.
+
+SIGTERM (or Ctrl-C) stops taking requests, lets running ones finish for `--shutdown-grace`
+seconds, ends the rest (their clients get an error), and exits with status 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from pathlib import Path
+
+from dflow_rt.cli import add_tuned_args
+from dflow_rt.config import BACKENDS
+from dflow_rt.errors import DflowError
+
+DEFAULT_MAX_LEN = 2048  # the KV cache is max_batch x max_len, preallocated: the model's own limit if smaller
+
+
+def add_serve_parser(sub: argparse._SubParsersAction) -> None:
+    from dflow_rt.cli import _model_args
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs the serve extra)")
+    _model_args(s, "dflash, dflow (bundled), a drafter directory, or none [dflash without --target, else none]")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--max-batch", type=int, default=16, help="rows decoded together [16]")
+    s.add_argument("--max-queue", type=int, default=64,
+                   help="requests that may wait for a row; beyond it the server answers 429 [64]")
+    s.add_argument("--max-prefill-tokens", type=int, default=128,
+                   help="prompt tokens a step may prefill while other requests decode (at least one request): "
+                        "lower keeps their inter-token latency flat, higher starts new requests sooner [128]")
+    s.add_argument("--max-len", type=int, default=None,
+                   help=f"context per row, prompt + answer + one block [the model's, at most {DEFAULT_MAX_LEN}]")
+    s.add_argument("--block-size", type=int, default=None, help="default: the drafter's block size")
+    s.add_argument("--verify-width", type=int, default=None, metavar="K", help="as for generate")
+    s.add_argument("--backend", choices=BACKENDS, default=None, help="as for generate [the tuned one, else per device]")
+    s.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help="as for generate")
+    add_tuned_args(s)
+    s.add_argument("--served-model-name", default=None,
+                   help="the `model` clients must send [the --target name or directory name, else bundled]")
+    s.add_argument("--shutdown-grace", type=float, default=10.0,
+                   help="seconds running requests get to finish after SIGTERM [10]")
+    s.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    s.set_defaults(run=cmd_serve)
+
+
+def build_engine(args: argparse.Namespace):
+    """(engine, model name): the models, Runtime and engine that `args` describe (generate's rules
+    for target, drafter, tuned knobs, backend, threads and dtype)."""
+    from dflow_rt.cli import _load_models, _tuned_knobs, runtime_config
+    from dflow_rt.runtime import Runtime
+    from dflow_rt.serve.engine import Engine
+    from dflow_rt.tokenizer import stop_token_ids
+
+    if args.drafter is None and args.target is None:
+        args.drafter = "dflash"  # the bundled pair's default drafter, as for generate
+    tuned = _tuned_knobs(args)
+    if tuned is not None and args.threads is None:
+        args.threads = tuned.threads
+    target, drafter, tokenizer = _load_models(args, dtype=args.dtype or (tuned.dtype if tuned else None))
+    block = 1 if drafter is None else (args.block_size or drafter.block_size)
+    max_len = args.max_len or min(target.config.max_position_embeddings, DEFAULT_MAX_LEN)
+    config = runtime_config(args, tuned, block, max_batch=args.max_batch, max_len=max_len)
+    engine = Engine(Runtime(target, drafter, config), tokenizer, args.max_queue, stop_token_ids(tokenizer),
+                    args.max_prefill_tokens)
+    name = args.served_model_name or (Path(args.target).name if args.target else "bundled")
+    return engine, name
+
+
+def cmd_serve(args: argparse.Namespace) -> None:
+    try:
+        import uvicorn
+
+        from dflow_rt.serve.app import create_app
+    except ImportError as err:
+        raise DflowError(f"serve needs the serve extra: pip install 'dflow-rt[serve]' ({err})") from None
+    if args.max_queue < 0 or args.shutdown_grace < 0 or args.max_prefill_tokens < 1:
+        raise DflowError("--max-queue and --shutdown-grace must be >= 0, --max-prefill-tokens >= 1")
+    engine, name = build_engine(args)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:  # a signal handler: drain() only sets an attribute
+            engine.drain(args.shutdown_grace)
+            super().handle_exit(sig, frame)
+
+    app = create_app(engine, name, args.shutdown_grace)
+    server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                   timeout_graceful_shutdown=int(args.shutdown_grace) + 5))
+    print(f"dflow-rt: serving {name!r} on http://{args.host}:{args.port}/v1 (backend {engine.rt.config.backend}, "
+          f"max batch {engine.rt.config.max_batch}, context {engine.max_len})", file=sys.stderr, flush=True)
+    # uvicorn re-raises the signal it stopped for once it is done; a no-op handler turns that into a
+    # clean exit (status 0) after the drain instead of death by the default handler
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        server.run()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        engine.close()
+    if not server.started:
+        raise DflowError(f"could not serve on {args.host}:{args.port} (see the log above)")
