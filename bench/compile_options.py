@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import signal
 import subprocess
 import sys
@@ -92,9 +91,9 @@ def main() -> None:
                     sys.exit(out.stderr[-2000:])
                 rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
                 print(rows[-1], flush=True)
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.processor())
-    result = {"cpu": cpu, "date": time.strftime("%Y-%m-%d"), "threads": args.threads, "rows": rows}
+    from dflow_rt.tuned import cpu_model
+
+    result = {"cpu": cpu_model(), "date": time.strftime("%Y-%m-%d"), "threads": args.threads, "rows": rows}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -8,6 +8,7 @@ import sys
 
 from dflow_rt.config import BACKENDS
 from dflow_rt.errors import DflowError, RequestError
+from dflow_rt.launch import add_tuned_args, load_models_from, model_args, runtime_config, tuned_knobs
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
@@ -21,10 +22,10 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
     if args.drafter is None and args.target is None:
         args.drafter = "dflash"  # the bundled pair's default drafter (docs/RESULTS.md)
-    tuned = _tuned_knobs(args)
+    tuned = tuned_knobs(args)
     if tuned is not None and args.threads is None:
         args.threads = tuned.threads
-    target, drafter, tokenizer = _load_models(args, dtype=args.dtype or (tuned.dtype if tuned else None))
+    target, drafter, tokenizer = load_models_from(args, dtype=args.dtype or (tuned.dtype if tuned else None))
     if args.chat:
         ids = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}],
                                             add_generation_prompt=True, tokenize=True)
@@ -64,46 +65,6 @@ def cmd_generate(args: argparse.Namespace) -> None:
               file=sys.stderr if args.quiet_stats else sys.stdout)
 
 
-def _load_models(args: argparse.Namespace, need_tokenizer: bool = True, dtype: str | None = None):
-    """`load_models` from --target/--drafter/--device/--threads: how every command loads models."""
-    from dflow_rt.models.bundled import load_models
-
-    return load_models(args.target, args.drafter, args.device, args.threads, need_tokenizer, dtype)
-
-
-def runtime_config(args: argparse.Namespace, tuned, block: int, **sizes):
-    """The Runtime's settings from the command line: a flag given wins, then the autotune knobs
-    (`tuned`, already looked up with the dtype in mind), then the Runtime's per-device defaults
-    (`RuntimeConfig.resolve`)."""
-    from dflow_rt.config import AUTO, RuntimeConfig
-    from dflow_rt.tuned import apply
-
-    config = RuntimeConfig(**sizes, block_size=args.block_size, backend=args.backend or AUTO,
-                           verify_width=AUTO if args.verify_width is None else args.verify_width, tuned=False)
-    return apply(config, tuned, block)
-
-
-def _tuned_knobs(args: argparse.Namespace):
-    """What `dflow-rt autotune` chose for --target/--drafter on this device (dtype and threads included,
-    which apply before the models load), or None (--no-tuned, or no entry); one line on stderr when
-    it applies (it changes the speed), and when --tuned asked for knobs that are not there."""
-    from dflow_rt.models.bundled import drafter_dir, pick_device, target_dir
-    from dflow_rt.tuned import load_tuned, tuned_dir
-
-    if getattr(args, "no_tuned", False):
-        return None
-    device = pick_device(args.device)
-    spec = None if args.drafter in (None, "none") else drafter_dir(args.drafter, args.target)
-    tuned = load_tuned(target_dir(args.target), spec, device, args.dtype)  # --dtype: that dtype's knobs
-    if tuned is None and args.tuned:
-        print(f"--tuned: no usable knobs for these models on this device in {tuned_dir()}: runtime defaults "
-              f"(`dflow-rt autotune` writes them)", file=sys.stderr)
-    elif tuned is not None:
-        print(f"autotune: {tuned.path}: dtype {tuned.dtype}, backend {tuned.backend}, threads {tuned.threads}, "
-              f"verify width {dict(tuned.verify_width) or 'the block'} (--no-tuned: the defaults)", file=sys.stderr)
-    return tuned
-
-
 def cmd_eval_tau(args: argparse.Namespace) -> None:
     from dflow_rt.data.prompts import SUITES, suite_prompts
     from dflow_rt.eval.diagnose import relay_diagnostics
@@ -112,7 +73,7 @@ def cmd_eval_tau(args: argparse.Namespace) -> None:
     from dflow_rt.tokenizer import stop_token_ids
 
     args.drafter = args.drafter or "dflash"
-    target, drafter, tokenizer = _load_models(args)
+    target, drafter, tokenizer = load_models_from(args)
     if drafter is None:
         raise DflowError("eval-tau needs a drafter")
     stops = tuple(stop_token_ids(tokenizer))
@@ -139,15 +100,6 @@ def _print_tau(suite: str, e: dict) -> None:
     print("  slot acceptance: " + " ".join(f"{x:.2f}" for x in e["position_acceptance"]))
     for key, value in e.get("diagnostics", {}).items():
         print(f"  {key}: {value:.3f}" if isinstance(value, float) else f"  {key}: {value}")
-
-
-def _model_args(p: argparse.ArgumentParser, drafter_help: str) -> None:
-    p.add_argument("--target", default=None,
-                   help="HF model directory with its tokenizer or a fetched model's name: smollm2 [the bundled target]")
-    p.add_argument("--drafter", default=None, help=drafter_help)
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--threads", type=int, default=None,
-                   help="CPU threads [1 for targets under 50M parameters, else all cores]")
 
 
 def cmd_init_random(args: argparse.Namespace) -> None:
@@ -192,7 +144,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
         print(f"benchmarking random models written to {args.target.parent}")
     elif args.target is None:  # the bundled pair, on held-out HumanEval prompts
         args.drafter = args.drafter or "dflash"
-    target, drafter, tokenizer = _load_models(args, need_tokenizer=False)
+    target, drafter, tokenizer = load_models_from(args, need_tokenizer=False)
     device = target.lm_head.weight.device.type
     if tokenizer is not None:
         prompt = suite_prompts(tokenizer, "code", 1, max_prompt_tokens=64)[0]
@@ -209,19 +161,11 @@ def cmd_bench(args: argparse.Namespace) -> None:
             json.dump(result, f, indent=2)
 
 
-def add_tuned_args(p: argparse.ArgumentParser) -> None:
-    tuned = p.add_mutually_exclusive_group()
-    tuned.add_argument("--tuned", action="store_true",
-                       help="say so when `dflow-rt autotune` wrote no knobs for these models here (they apply "
-                            "without the flag: dtype, threads, backend, verify widths; flags given still win)")
-    tuned.add_argument("--no-tuned", action="store_true", help="ignore the autotune knobs: the built-in defaults")
-
-
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dflow-rt", description="Block-diffusion speculative decoding runtime.")
     sub = p.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="complete a prompt with speculative decoding")
-    _model_args(g, "dflash, dflow (bundled for the default target and smollm2), a drafter directory, or none "
+    model_args(g, "dflash, dflow (bundled for the default target and smollm2), a drafter directory, or none "
                    "for plain autoregressive decoding [dflash without --target, else none]")
     g.add_argument("--prompt", required=True)
     g.add_argument("--max-new-tokens", type=int, default=128)
@@ -242,7 +186,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--quiet-stats", action="store_true", help="print the statistics line to stderr")
     g.set_defaults(run=cmd_generate)
     e = sub.add_parser("eval-tau", help="acceptance length on held-out prompt suites")
-    _model_args(e, "dflash, dflow (bundled for the default target and smollm2) or a drafter directory [dflash]")
+    model_args(e, "dflash, dflow (bundled for the default target and smollm2) or a drafter directory [dflash]")
     e.add_argument("--suite", choices=["code", "math", "chat", "all"], default="all",
                    help="code: HumanEval prompts; math: held-out word problems; chat: held-out questions [all]")
     e.add_argument("--temperature", type=float, default=0.0, help="0 = greedy [0]")

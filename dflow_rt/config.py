@@ -72,25 +72,6 @@ class RuntimeConfig:
     compile_cache: bool = True
     freeze: bool = False
 
-    def resolve(self, target, drafter=None) -> RuntimeConfig:
-        """This config with every `auto` field chosen for these models where they sit: the autotune
-        file's knobs when `tuned` finds some, else DEVICE_DEFAULTS for the device and dtype."""
-        import dataclasses
-
-        c = self
-        if c.tuned and AUTO in (c.backend, c.verify_width, c.kernels):
-            from dflow_rt.tuned import tuned_for
-
-            c = tuned_for(c, target, drafter)
-        weight = target.lm_head.weight
-        dtype = str(weight.dtype).removeprefix("torch.")
-        defaults = DEVICE_DEFAULTS.get((weight.device.type, dtype)) or DEVICE_DEFAULTS.get((weight.device.type, None))
-        defaults = dict(defaults or {"backend": "eager", "verify_width": None})
-        block = c.block_size or (drafter.block_size if drafter is not None else 1)
-        if defaults["verify_width"] is not None:  # no wider than the block (1 without a drafter)
-            defaults["verify_width"] = min(defaults["verify_width"], block)
-        return dataclasses.replace(c, **{k: v for k, v in defaults.items() if getattr(c, k) == AUTO})
-
     def widths(self, block_size: int) -> dict[int, int]:
         """Verify width k per batch bucket: the drafter drafts all B slots, the target checks the first
         k. None = B everywhere; an int = that k everywhere; a dict = k per bucket (others B)."""

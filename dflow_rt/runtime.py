@@ -28,6 +28,7 @@ from dflow_rt.kernels import select_for
 from dflow_rt.limits import check_config, check_memory, rotary_growth
 from dflow_rt.requests import check_fits, check_int, check_sampling, cut_at_stop, prompt_tensor, stop_set
 from dflow_rt.sampling import sample, screen
+from dflow_rt.tuned import resolve
 
 log = logging.getLogger("dflow_rt")
 FAULT = "its logits became NaN or infinite (a numerical fault in its row, which was cleaned; other requests go on)"
@@ -55,7 +56,7 @@ class Request:
 class Runtime:
     def __init__(self, target, drafter=None, config: RuntimeConfig | None = None):
         c = check_config(RuntimeConfig() if config is None else config)
-        c = check_config(c.resolve(target, drafter))  # "auto": the autotune file's knobs, else per-device defaults
+        c = check_config(resolve(c, target, drafter))  # "auto": the autotune file's knobs, else per-device defaults
         self.config = c
         if c.backend == "cudagraph" and target.lm_head.weight.device.type != "cuda":
             raise InputError("backend 'cudagraph' needs the models on a CUDA device")

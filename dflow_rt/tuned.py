@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dflow_rt.config import AUTO, BACKENDS, RuntimeConfig
+from dflow_rt.config import AUTO, BACKENDS, DEVICE_DEFAULTS, RuntimeConfig
 
 log = logging.getLogger(__name__)
 FORMAT = 1
@@ -174,6 +174,23 @@ def tuned_for(config: RuntimeConfig, target, drafter=None) -> RuntimeConfig:
                        weight.device, str(weight.dtype).removeprefix("torch."))
     block = config.block_size or (drafter.block_size if drafter is not None else 1)
     return apply(config, tuned, block)
+
+
+def resolve(config: RuntimeConfig, target, drafter=None) -> RuntimeConfig:
+    """`config` with every "auto" field chosen for these models where they sit: the autotune file's
+    knobs when `config.tuned` finds some, else DEVICE_DEFAULTS for the device and dtype (a default
+    verify width no wider than the block: 1 without a drafter)."""
+    c = config
+    if c.tuned and AUTO in (c.backend, c.verify_width, c.kernels):
+        c = tuned_for(c, target, drafter)
+    weight = target.lm_head.weight
+    dtype = str(weight.dtype).removeprefix("torch.")
+    defaults = DEVICE_DEFAULTS.get((weight.device.type, dtype)) or DEVICE_DEFAULTS.get((weight.device.type, None))
+    defaults = dict(defaults or {"backend": "eager", "verify_width": None})
+    block = c.block_size or (drafter.block_size if drafter is not None else 1)
+    if defaults["verify_width"] is not None:
+        defaults["verify_width"] = min(defaults["verify_width"], block)
+    return dataclasses.replace(c, **{k: v for k, v in defaults.items() if getattr(c, k) == AUTO})
 
 
 def store(entry: dict, key: str, device: str, directory: str | Path | None = None) -> Path:

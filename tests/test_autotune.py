@@ -1,6 +1,7 @@
 """Autotune: the loader reads what the job writes, falls back loudly, and the job keeps only faster
 lossless knobs (the tiny fixture models, with a timer that says which candidate is fast)."""
 
+import copy
 import json
 import logging
 import random
@@ -10,7 +11,7 @@ import pytest
 from dflow_rt import tuned as configs
 from dflow_rt.autotune.job import Axis, Tuner
 from dflow_rt.config import RuntimeConfig
-from dflow_rt.tuned import TunedConfig, apply, entry_key, load_tuned, store, tuned_for
+from dflow_rt.tuned import TunedConfig, apply, entry_key, load_tuned, resolve, store, tuned_for
 from tests.conftest import FIXTURES
 
 TARGET, DRAFTER = FIXTURES / "target", FIXTURES / "drafter"
@@ -123,19 +124,18 @@ def test_auto_fields_take_the_tuned_knobs_else_the_device_defaults(tmp_path, mon
     plain = RuntimeConfig()
     assert (plain.backend, plain.verify_width, plain.tuned) == (AUTO, AUTO, True)
     cpu = DEVICE_DEFAULTS["cpu", "float32"]
-    resolved = plain.resolve(target, drafter)
+    resolved = resolve(plain, target, drafter)
     assert (resolved.backend, resolved.verify_width) == (cpu["backend"], cpu["verify_width"])
     knobs = {"backend": "eager", "threads": 1, "length_step": None, "buckets": {"1": {"verify_width": 5}}}
     store({"dtype": "float32", "knobs": {"float32": knobs}}, entry_key(TARGET, DRAFTER), configs.device_name("cpu"),
           tmp_path)
-    tuned = RuntimeConfig(max_batch=2).resolve(target, drafter)
+    tuned = resolve(RuntimeConfig(max_batch=2), target, drafter)
     assert (tuned.backend, tuned.verify_width) == ("eager", {1: 5, 2: 5})
-    mine = RuntimeConfig(max_batch=2, backend="compile").resolve(target, drafter)
+    mine = resolve(RuntimeConfig(max_batch=2, backend="compile"), target, drafter)
     assert (mine.backend, mine.verify_width) == ("compile", {1: 5, 2: 5})
-    off = RuntimeConfig(tuned=False).resolve(target, drafter)
+    off = resolve(RuntimeConfig(tuned=False), target, drafter)
     assert (off.backend, off.verify_width) == (cpu["backend"], cpu["verify_width"])
-    half = RuntimeConfig().resolve(target.to(torch.bfloat16), drafter)  # no bf16 entry: the bf16 defaults
-    target.float()
+    half = resolve(RuntimeConfig(), copy.deepcopy(target).to(torch.bfloat16), drafter)  # no bf16 entry: bf16 defaults
     assert (half.backend, half.verify_width) == tuple(DEVICE_DEFAULTS["cpu", "bfloat16"].values())
 
 

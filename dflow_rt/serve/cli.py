@@ -11,18 +11,17 @@ import signal
 import sys
 from pathlib import Path
 
-from dflow_rt.cli import add_tuned_args
 from dflow_rt.config import BACKENDS
 from dflow_rt.errors import DflowError
+from dflow_rt.launch import add_tuned_args, load_models_from, model_args, runtime_config, tuned_knobs
 
 DEFAULT_MAX_LEN = 2048  # the KV cache is max_batch x max_len, preallocated: the model's own limit if smaller
 
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
-    from dflow_rt.cli import _model_args
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs the serve extra)")
-    _model_args(s, "dflash, dflow (bundled), a drafter directory, or none [dflash without --target, else none]")
+    model_args(s, "dflash, dflow (bundled), a drafter directory, or none [dflash without --target, else none]")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--max-batch", type=int, default=16, help="rows decoded together [16]")
@@ -49,17 +48,16 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
 def build_engine(args: argparse.Namespace):
     """(engine, model name): the models, Runtime and engine that `args` describe (generate's rules
     for target, drafter, tuned knobs, backend, threads and dtype)."""
-    from dflow_rt.cli import _load_models, _tuned_knobs, runtime_config
     from dflow_rt.runtime import Runtime
     from dflow_rt.serve.engine import Engine
     from dflow_rt.tokenizer import stop_token_ids
 
     if args.drafter is None and args.target is None:
         args.drafter = "dflash"  # the bundled pair's default drafter, as for generate
-    tuned = _tuned_knobs(args)
+    tuned = tuned_knobs(args)
     if tuned is not None and args.threads is None:
         args.threads = tuned.threads
-    target, drafter, tokenizer = _load_models(args, dtype=args.dtype or (tuned.dtype if tuned else None))
+    target, drafter, tokenizer = load_models_from(args, dtype=args.dtype or (tuned.dtype if tuned else None))
     block = 1 if drafter is None else (args.block_size or drafter.block_size)
     max_len = args.max_len or min(target.config.max_position_embeddings, DEFAULT_MAX_LEN)
     config = runtime_config(args, tuned, block, max_batch=args.max_batch, max_len=max_len)
