@@ -1,5 +1,8 @@
 """Compiled rounds kept on disk: the same tokens with and without the cache, a later Runtime of the
-same shapes starts from the entry, a corrupted entry is detected and rebuilt, the bound holds."""
+same shapes starts from the entry, a corrupted entry is detected and rebuilt, the bound holds.
+
+(Named to run after test_kernels.py, as test_runtime.py does: a real inductor compile earlier in the
+process breaks the Triton interpreter those tests run the kernels in.)"""
 
 from __future__ import annotations
 
