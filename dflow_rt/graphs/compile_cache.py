@@ -61,10 +61,12 @@ def _model_key(model) -> dict | None:
 
 
 def entry_key(target, drafter, settings: dict) -> tuple[str, dict]:
-    """(hex key, what it hashes): models, Runtime settings, device, torch and our code."""
+    """(hex key, what it hashes): models, Runtime settings, device and threads (inductor's CPU kernels
+    are built for a thread count), torch and our code."""
     device = target.lm_head.weight.device
     what = {"target": _model_key(target), "drafter": _model_key(drafter), "settings": settings,
-            "device": device.type, "torch": torch.__version__, "python": sys.version.split()[0],
+            "device": device.type, "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "python": sys.version.split()[0],
             "isa": torch.backends.cpu.get_cpu_capability() if device.type == "cpu" else
             torch.cuda.get_device_name(device), "code": _code_digest()}
     blob = json.dumps(what, sort_keys=True, default=str).encode()
