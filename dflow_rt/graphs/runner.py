@@ -85,7 +85,8 @@ def compiling(compile_backend: str, device: torch.device, freeze: bool = False) 
     kernels is C++, which saves about a millisecond of Python per round. `freeze` folds the
     weights into the graph as constants (prepacked for the CPU GEMM library, projections of one
     input merged into one GEMM), but torch's caches cannot store a frozen graph, so every start
-    compiles again; unfrozen rounds decode as fast on CPU (docs/RESULTS.md) and start from the cache."""
+    compiles again; unfrozen rounds start from the cache in seconds and decode 10-24 % slower on
+    CPU (docs/RESULTS.md, "Compiled start")."""
     if compile_backend != "inductor":
         return contextlib.nullcontext()
     cpu = device.type == "cpu"
