@@ -36,10 +36,12 @@ def test_build_ranks_by_frequency_then_id_and_reports_coverage(tmp_path):
     written = seqs[0][2:] + seqs[1][3:]  # 9 1 9 9 7 | 9 4
     assert coverage == pytest.approx(sum(t in expected for t in written) / len(written))
     for bad in (0, 51):
-        with pytest.raises(InputError, match="--size"):
+        with pytest.raises(InputError, match="size must be in 1..50"):
             build_draft_vocab(data, 50, bad)
     with pytest.raises(InputError, match="outside the vocabulary"):
         build_draft_vocab(data, 8, 4)
+    ids, coverage = build_draft_vocab(data, 50, 4, rows=[1])  # counts row 1 only: 2 twice, then 3 4 9 once
+    assert ids.tolist() == [2, 3, 4, 9] and coverage == 1.0
 
 
 def test_restricted_drafts_are_the_masked_full_head_argmax():

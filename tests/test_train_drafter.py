@@ -150,6 +150,36 @@ def test_rounds_unrolled_from_the_prompt_are_the_rounds_of_generate(reference_pa
         assert rounds[:-1] == out.acceptance_lengths[:len(rounds) - 1] and len(rounds) == len(out.acceptance_lengths)
 
 
+def test_a_draft_vocabulary_scores_its_own_head_rows_and_skips_labels_outside_it(reference_pair):
+    """With a draft vocabulary the objective is cross-entropy over the full head's columns of those tokens
+    (what the inference draft pass ranks); a label outside it weighs nothing; drafts are token ids."""
+    target, full = reference_pair
+    drafter = copy.deepcopy(full)
+    ids = sequence(CASES[0], target, drafter)
+    L, B = ids.shape[1], drafter.block_size
+    starts, ok = torch.tensor([[1, 9, L - B]]), torch.ones(1, 3, dtype=torch.bool)
+    labels = torch.stack([ids[0, p + 1:p + B] for p in starts[0].tolist()])
+    vocab = torch.cat([labels.unique()[::2], torch.tensor([drafter.config.mask_token_id])]).unique()
+    drafter.restrict_vocab(target, vocab)
+    trace = []
+    with torch.no_grad():
+        loss, stats = DraftObjective(drafter, target, gamma=7.0)(ids, torch.tensor([L]), starts, ok, trace)
+        feats, _ = target_context(target, ids, drafter.target_layer_ids)
+        block = torch.full((1, 3, B), drafter.config.mask_token_id)
+        block[..., 0] = ids[0, starts[0]]
+        hidden = draft_hidden(drafter, drafter_context(drafter, feats), target.embed_tokens(block.flatten(1)), starts)
+    columns = target.lm_head(hidden).view(3, B, -1)[:, 1:, vocab]  # the full head, then the vocabulary's columns
+    w = torch.exp(-torch.arange(B - 1) / 7.0)
+    inside = (labels[..., None] == vocab).any(-1)
+    target_cols = (labels[..., None] == vocab).int().argmax(-1)
+    ce = F.cross_entropy(columns.flatten(0, 1), target_cols.flatten(), reduction="none").view(3, B - 1)
+    weights = w * inside
+    torch.testing.assert_close(loss, (ce * weights).sum() / weights.sum(), atol=1e-5, rtol=1e-5)
+    assert 0 < inside.float().mean() < 1  # the case exercises both kinds of label
+    assert torch.equal(trace[0]["drafts"][0], vocab[columns.argmax(-1)])
+    assert stats["slots1"].sum() == 3 * (B - 1)  # accuracy still counts every slot
+
+
 @pytest.mark.parametrize("relay_input", ["mask_embedding", "kv"])
 def test_dflow_relay_inputs_match_the_inference_round(reference_pair, relay_input):
     """Unrolled from the prompt's first round, training drafts, accepts and relays exactly what
@@ -512,6 +542,40 @@ def test_target_dtype_option_trains_and_is_kept_on_resume(tiny_dir, data_file, d
     records = log(out)
     assert records[0]["settings"]["target_dtype"] == "bfloat16"
     assert all(torch.isfinite(torch.tensor(r["loss1"])) for r in records if r["event"] == "draft")
+
+
+def test_draft_vocab_sequences_and_amp_options(tiny_dir, data_file, tmp_path, capsys):
+    """--sequences N trains on the first N rows (the draft vocabulary counts only them), --draft-vocab is
+    saved with the drafter, --amp bfloat16 keeps float32 weights; all three are kept on resume."""
+    from dflow_rt.models.draft_vocab import build_draft_vocab, load_draft_vocab
+
+    out = tmp_path / "small"
+    args = ["dflash", "--target", str(tiny_dir), "--data", str(data_file), "--out", str(out), *RUN, "--steps", "6",
+            "--sequences", "12", "--draft-vocab", "40", "--amp", "bfloat16"]
+    assert run_cli([*args, "--run-steps", "3"]) == 0
+    assert "12 training sequences of 24, 1 rank(s) x 1 thread(s), draft vocabulary 40" in capsys.readouterr().out
+    assert run_cli([*args[:-6], "--resume", "--sequences", "13"]) == 2
+    assert "conflicting: --sequences 13" in capsys.readouterr().err
+    assert run_cli([*args[:-6], "--resume"]) == 0
+    seqs = sequences.load_sequences(data_file)
+    want, _ = build_draft_vocab(seqs, 260, 40, list(range(12)))
+    assert torch.equal(load_draft_vocab(out, 260), want)
+    assert not torch.equal(want, build_draft_vocab(seqs, 260, 40)[0])  # other rows would give another set
+    assert {v.dtype for v in load_file(out / "model.safetensors").values()} == {torch.float32}
+    records = log(out)
+    assert records[0]["train_sequences"] == 12 and records[0]["settings"]["amp"] == "bfloat16"
+    assert all(torch.isfinite(torch.tensor(r["loss1"])) for r in records if r["event"] == "draft")
+    target = dflow_rt.load_target(tiny_dir)
+    drafter = dflow_rt.load_drafter(out, target)
+    prompt = seqs[22][:int(seqs.prompt_lens[22])]
+    assert dflow_rt.generate(target, drafter, prompt, max_new_tokens=30).token_ids == \
+        dflow_rt.generate(target, None, prompt, max_new_tokens=30).token_ids
+    bad = ["dflash", "--target", str(tiny_dir), "--data", str(data_file), "--out", str(tmp_path / "x"), *RUN,
+           "--steps", "2"]
+    assert run_cli([*bad, "--sequences", "21"]) == 2  # 24 rows less 4 held out
+    assert run_cli([*bad, "--draft-vocab", "261"]) == 2
+    err = capsys.readouterr().err
+    assert "--sequences 21" in err and "has 20 training sequences" in err and "1..260" in err
 
 
 # ------------------------------------------------------------------------------------- cached features

@@ -27,14 +27,16 @@ from dflow_rt.models.bounds import MAX_JSON_BYTES, regular_file
 FILE = "draft_vocab.json"
 
 
-def build_draft_vocab(sequences, vocab_size: int, size: int) -> tuple[torch.Tensor, float]:
+def build_draft_vocab(sequences, vocab_size: int, size: int,
+                      rows: list[int] | None = None) -> tuple[torch.Tensor, float]:
     """The `size` most frequent tokens of regen `sequences` (prompts and continuations: a code
     continuation copies the prompt's identifiers), in increasing id order, and the share of the
-    continuation tokens (what the drafter predicts) that they cover."""
+    continuation tokens (what the drafter predicts) that they cover. `rows`: count these sequences only."""
     if not 1 <= size <= vocab_size:
-        raise InputError(f"--size must be in 1..{vocab_size} (the vocabulary), got {size}")
-    # labelled text: count what the target writes there, not the text
-    tokens = (sequences.tokens if getattr(sequences, "truth", None) is None else sequences.truth).long()
+        raise InputError(f"draft vocabulary size must be in 1..{vocab_size} (the vocabulary), got {size}")
+    rows = range(len(sequences)) if rows is None else rows
+    whole = [sequences.truth_of(i) for i in rows]  # labelled text: what the target writes there, not the text
+    tokens = torch.cat(whole) if whole else torch.zeros(0, dtype=torch.long)
     if len(tokens) and int(tokens.max()) >= vocab_size:
         raise InputError(f"the data holds token id {int(tokens.max())}, outside the vocabulary of {vocab_size}")
     counts = torch.bincount(tokens, minlength=vocab_size)
@@ -43,8 +45,8 @@ def build_draft_vocab(sequences, vocab_size: int, size: int) -> tuple[torch.Tens
     ids = torch.argsort(-counts, stable=True)[:size].sort().values
     inside = torch.zeros(vocab_size, dtype=torch.bool)
     inside[ids] = True
-    starts = sequences.offsets[:-1] + sequences.prompt_lens.long()
-    written = torch.cat([tokens[int(a):int(b)] for a, b in zip(starts, sequences.offsets[1:], strict=True)])
+    written = torch.cat([w[int(sequences.prompt_lens[i]):] for i, w in zip(rows, whole, strict=True)]) if whole \
+        else tokens
     coverage = float(inside[written].float().mean()) if len(written) else 1.0
     return ids, coverage
 

@@ -92,8 +92,11 @@ class Drafter(nn.Module):
         return target.embed_tokens(ids).to(self.fc.weight.dtype)
 
     def logits(self, target: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-        """The target's (frozen, shared) head over drafter hidden states, in the target's dtype."""
-        return target.lm_head(hidden.to(target.lm_head.weight.dtype))
+        """Scores of drafter hidden states from the target's (frozen, shared) head, in the target's
+        dtype: over the draft vocabulary when the drafter has one (column j is token `vocab_ids[j]`)."""
+        if self.vocab_head is None:
+            return target.lm_head(hidden.to(target.lm_head.weight.dtype))
+        return F.linear(hidden.to(self.vocab_head.dtype), self.vocab_head)
 
     def restrict_vocab(self, target: nn.Module, ids: torch.Tensor | None) -> None:
         """Draft only tokens `ids` (None: the whole vocabulary again); see `dflow_rt.models.draft_vocab`.
@@ -105,11 +108,21 @@ class Drafter(nn.Module):
         self.vocab_ids = ids.to(weight.device)
         self.vocab_head = weight.detach()[self.vocab_ids].contiguous()
 
+    def token_ids(self, columns: torch.Tensor) -> torch.Tensor:
+        """Token ids of `logits` columns."""
+        return columns if self.vocab_ids is None else self.vocab_ids[columns]
+
+    def columns(self, ids: torch.Tensor) -> torch.Tensor:
+        """`logits` columns of token `ids`: -1 for a token outside the draft vocabulary."""
+        if self.vocab_ids is None:
+            return ids
+        index = torch.full((self.config.vocab_size,), -1, dtype=torch.long, device=ids.device)
+        index[self.vocab_ids] = torch.arange(len(self.vocab_ids), device=ids.device)
+        return index[ids]
+
     def greedy(self, target: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         """Greedy draft tokens of drafter hidden states, over the draft vocabulary if it has one."""
-        if self.vocab_head is None:
-            return self.logits(target, hidden).argmax(-1)
-        return self.vocab_ids[F.linear(hidden.to(self.vocab_head.dtype), self.vocab_head).argmax(-1)]
+        return self.token_ids(self.logits(target, hidden).argmax(-1))
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         c, w = self.config, self.fc.weight

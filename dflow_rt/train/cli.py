@@ -241,12 +241,20 @@ def _drafter_parser(p: argparse.ArgumentParser, dflow: bool) -> None:
     o.add_argument("--clip", type=float, help="[1.0]")
     o.add_argument("--seed", type=int, help="initialisation, data order and anchors [0]")
     o.add_argument("--eval-seqs", type=int, help="sequences at the end of --data held out for eval [16]")
+    o.add_argument("--sequences", type=int, help="train on the first N sequences of --data only (a learning curve "
+                   "over one file and its features) [all but --eval-seqs]")
+    o.add_argument("--draft-vocab", type=int, help="draft (and learn) only the N tokens the training sequences "
+                   "use most: the head's cost in an update falls by vocab / N; 0 keeps the whole vocabulary. "
+                   "Saved with the drafter as draft_vocab.json [0]")
     r = _loop_args(p, o)
     r.add_argument("--eval-prompts", type=int, default=8, help="held-out prompts for real tau at checkpoints [8]")
     r.add_argument("--eval-max-new-tokens", type=int, default=64, help="tokens generated per eval prompt [64]")
     r.add_argument("--device", default="cpu", help="cpu or cuda (under torchrun: each rank's own GPU, nccl) [cpu]")
     r.add_argument("--target-dtype", choices=("float32", "bfloat16"),
                    help="dtype of the frozen target; the drafter trains in float32 either way [float32]")
+    r.add_argument("--amp", choices=("float32", "bfloat16"),
+                   help="the updates' matrix products in this dtype (torch.autocast; weights and optimizer stay "
+                   "float32): bfloat16 is ~2x faster on a CPU with BF16 instructions or a GPU [float32]")
     p.set_defaults(run=cmd_drafter)
 
 

@@ -17,6 +17,7 @@ from dflow_rt.data.prompts import heldout_prompts
 from dflow_rt.errors import InputError
 from dflow_rt.eval.tau import heldout_tau
 from dflow_rt.models.checkpoint import load_drafter, load_target, save_model
+from dflow_rt.models.draft_vocab import build_draft_vocab
 from dflow_rt.models.drafter import Drafter, DrafterConfig, build_target_layer_ids, relay_off, with_relay
 from dflow_rt.models.target import Target
 from dflow_rt.tokenizer import load_tokenizer, stop_token_ids
@@ -30,7 +31,7 @@ from dflow_rt.train.sequences import file_digest, load_sequences, model_digest
 DFLASH_DEFAULTS = {"block_size": 16, "layers": 2, "target_layers": None, "mask_token_id": None, "anchors": 32,
                    "lr": 1e-3, "gamma": "auto", "warmup": 50, "min_lr_ratio": 0.1, "weight_decay": 0.01, "clip": 1.0,
                    "seed": 0, "steps": None, "minutes": None, "eval_seqs": 16, "init": None,
-                   "target_dtype": "float32"}
+                   "target_dtype": "float32", "draft_vocab": 0, "sequences": None, "amp": "float32"}
 DFLOW_DEFAULTS = {**DFLASH_DEFAULTS, "relay_hidden": None, "relay_input": "mask_embedding", "relay_lr_scale": 1.0,
                   "base_lr_scale": 1.0, "rounds": 3, "base_first_round": False, "freeze_base": False}
 
@@ -76,9 +77,9 @@ class DrafterTask:
 
     def __init__(self, objective: DraftObjective, forward: nn.Module, batches: AnchorBatches, eval_rows: list[int],
                  d: loop.Dist, out: Path, log_every: int, budget: dict, prompts: list, stop_ids: list[int],
-                 eval_tokens: int, device: torch.device | str = "cpu"):
+                 eval_tokens: int, device: torch.device | str = "cpu", amp: str = "float32"):
         self.objective, self.forward, self.batches, self.eval_rows, self.d = objective, forward, batches, eval_rows, d
-        self.device = device
+        self.device, self.amp = device, getattr(torch, amp)
         self.log, self.log_every, self.budget = loop.JsonLog(out / loop.LOG, d), log_every, budget
         self.prompts, self.stop_ids, self.eval_tokens = prompts, stop_ids, eval_tokens
         self.window, self.t0, self.elapsed0, self.window_t = {}, time.perf_counter(), 0.0, time.perf_counter()
@@ -86,8 +87,9 @@ class DrafterTask:
     def loss(self, step: int) -> tuple[torch.Tensor, int]:
         """One batch; `tokens` (for tokens/s) counts supervised draft slots over all rounds."""
         b = {k: t.to(self.device) for k, t in self.batches.next().items()}
-        loss, stats = self.forward(b["ids"], b["lengths"], b["starts"], b["ok"], feats=b.get("feats"),
-                                   truth=b.get("truth"))
+        with torch.autocast(torch.device(self.device).type, self.amp, enabled=self.amp != torch.float32):
+            loss, stats = self.forward(b["ids"], b["lengths"], b["starts"], b["ok"], feats=b.get("feats"),
+                                       truth=b.get("truth"))
         for k, v in stats.items():
             self.window[k] = self.window.get(k, 0) + v.detach().double()
         if (step + 1) % self.log_every == 0:
@@ -271,6 +273,15 @@ def train_drafter(kind: str, target_dir: str | Path, data: str | Path, out: str 
                if d.world > 1 else objective)
     global_batch = state["run"]["global_batch"] if state else batch * d.world
     n_train = len(seqs) - s["eval_seqs"]
+    if s["sequences"] is not None:
+        if not 1 <= s["sequences"] <= n_train:
+            raise InputError(f"--sequences {s['sequences']}: {data} has {n_train} training sequences "
+                             f"({len(seqs)} less --eval-seqs {s['eval_seqs']})")
+        n_train = s["sequences"]
+    coverage = None
+    if s["draft_vocab"]:
+        ids, coverage = build_draft_vocab(seqs, target.config.vocab_size, s["draft_vocab"], list(range(n_train)))
+        drafter.restrict_vocab(target, ids)
     cached = load_features(features, target_dir, data, layer_ids, digests) if features else None
     batches = AnchorBatches(seqs, list(range(n_train)), global_batch, s["anchors"], B, objective.rounds, s["seed"],
                             d.rank, d.world, cached)
@@ -278,18 +289,22 @@ def train_drafter(kind: str, target_dir: str | Path, data: str | Path, out: str 
     prompts = heldout_prompts(tokenizer, eval_prompts) if tokenizer and d.main else []
     stops = stop_token_ids(tokenizer) if tokenizer else []
     task = DrafterTask(objective, forward, batches, list(range(n_train, len(seqs))), d, out, log_every,
-                       {"steps": s["steps"], "minutes": s["minutes"]}, prompts, stops, eval_max_new_tokens, dev)
+                       {"steps": s["steps"], "minutes": s["minutes"]}, prompts, stops, eval_max_new_tokens, dev,
+                       s["amp"])
     cfg = loop.LoopConfig(out=out, lr=s["lr"], total_steps=s["steps"], minutes=s["minutes"], warmup=s["warmup"],
                           min_lr_ratio=s["min_lr_ratio"], clip=s["clip"], checkpoint_every=checkpoint_every,
                           log_every=log_every, run_steps=run_steps)
     info = {"kind": kind, "settings": settings, "global_batch": global_batch, "target": str(target_dir),
             "data": str(data), **digests, "gamma": gamma, "block_size": B, "target_layer_ids": list(layer_ids),
             "mask_token_id": drafter.config.mask_token_id, "params": sum(p.numel() for p in drafter.parameters()),
-            "features": str(features) if features else None}
+            "features": str(features) if features else None, "train_sequences": n_train,
+            "draft_vocab_coverage": coverage}
     out.mkdir(parents=True, exist_ok=True)
     if d.main and not state:
         print(f"{kind}: {json.dumps({k: info[k] for k in ('params', 'block_size', 'target_layer_ids', 'gamma')})}, "
-              f"{len(seqs)} sequences, {d.world} rank(s) x {threads} thread(s)", flush=True)
+              f"{n_train} training sequences of {len(seqs)}, {d.world} rank(s) x {threads} thread(s)"
+              + (f", draft vocabulary {s['draft_vocab']} ({coverage:.2%} of written tokens)" if coverage else ""),
+              flush=True)
     optimizer = make_optimizer(drafter, s["lr"], s["weight_decay"], s.get("relay_lr_scale", 1.0),
                                s.get("base_lr_scale", 1.0), clip_relay_apart=s.get("base_first_round", False))
     result = loop.run(cfg, drafter, optimizer, task, d, info, state)
