@@ -578,6 +578,33 @@ def test_draft_vocab_sequences_and_amp_options(tiny_dir, data_file, tmp_path, ca
     assert "--sequences 21" in err and "has 20 training sequences" in err and "1..260" in err
 
 
+@pytest.mark.parametrize("model_type", ["qwen3", "llama"])
+def test_init_layers_start_the_drafter_as_copies_of_target_layers(model_type, tmp_path):
+    from dflow_rt.train.drafter import build_drafter, resolve_settings
+
+    torch.manual_seed(0)
+    target = Target(TargetConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+                                 num_attention_heads=4, num_key_value_heads=2, head_dim=8, model_type=model_type))
+    with torch.no_grad():
+        for p in target.parameters():
+            p.normal_()
+    s, _ = resolve_settings("dflash", {"steps": 1, "layers": 2, "init_layers": [3, 1]}, tmp_path, False)
+    drafter = build_drafter("dflash", target, tmp_path, s)
+    for mine, i in zip(drafter.layers, (3, 1), strict=True):
+        theirs = target.model.layers[i].state_dict()
+        for name, value in mine.state_dict().items():
+            want = theirs.get(name, torch.ones_like(value))  # a Llama target has no q/k norms: identity scale
+            assert torch.equal(value, want), name
+    assert torch.equal(drafter.norm.weight, target.model.norm.weight)
+    for bad in ([3], [3, 4]):
+        s["init_layers"] = bad
+        with pytest.raises(InputError, match="one per drafter layer"):
+            build_drafter("dflash", target, tmp_path, s)
+    s.update(init_layers=[3, 1], init=str(tmp_path))
+    with pytest.raises(InputError, match="give one of them"):
+        build_drafter("dflash", target, tmp_path, s)
+
+
 # ------------------------------------------------------------------------------------- cached features
 
 def test_cached_features_equal_the_inference_forward_and_train_as_online(tiny_dir, data_file, tmp_path,

@@ -171,8 +171,9 @@ def cmd_drafter(args: argparse.Namespace) -> None:
 
     names = DFLOW_DEFAULTS if args.train_command == "dflow" else DFLASH_DEFAULTS
     given = {k: getattr(args, k) for k in names}
-    if given["target_layers"] is not None:
-        given["target_layers"] = [int(i) for i in given["target_layers"].split(",")]
+    for key in ("target_layers", "init_layers"):
+        if given[key] is not None:
+            given[key] = [int(i) for i in given[key].split(",")]
     if given["gamma"] not in (None, "auto"):
         given["gamma"] = float(given["gamma"])
     result = train_drafter(args.train_command, target_dir(args.target), args.data, args.out, batch=args.batch,
@@ -230,6 +231,8 @@ def _drafter_parser(p: argparse.ArgumentParser, dflow: bool) -> None:
     m.add_argument("--layers", type=int, help="drafter decoder layers [2]")
     m.add_argument("--target-layers", help="comma-separated conditioning layers [build_target_layer_ids]")
     m.add_argument("--mask-token-id", type=int, help="[the tokenizer's <|MASK|>, else vocab - 1]")
+    m.add_argument("--init-layers", help="comma-separated target layers the drafter's layers start as copies of "
+                   "(one per drafter layer; the target's layer shape) [random]")
     o = p.add_argument_group("optimisation")
     o.add_argument("--batch", type=int, default=4, help="sequences per step per rank [4]")
     o.add_argument("--anchors", type=int, help="anchor blocks per sequence [32]")

@@ -31,7 +31,8 @@ from dflow_rt.train.sequences import file_digest, load_sequences, model_digest
 DFLASH_DEFAULTS = {"block_size": 16, "layers": 2, "target_layers": None, "mask_token_id": None, "anchors": 32,
                    "lr": 1e-3, "gamma": "auto", "warmup": 50, "min_lr_ratio": 0.1, "weight_decay": 0.01, "clip": 1.0,
                    "seed": 0, "steps": None, "minutes": None, "eval_seqs": 16, "init": None,
-                   "target_dtype": "float32", "draft_vocab": 0, "sequences": None, "amp": "float32"}
+                   "target_dtype": "float32", "draft_vocab": 0, "sequences": None, "amp": "float32",
+                   "init_layers": None}
 DFLOW_DEFAULTS = {**DFLASH_DEFAULTS, "relay_hidden": None, "relay_input": "mask_embedding", "relay_lr_scale": 1.0,
                   "base_lr_scale": 1.0, "rounds": 3, "base_first_round": False, "freeze_base": False}
 
@@ -186,6 +187,8 @@ def build_drafter(kind: str, target: Target, target_dir: Path, s: dict, given: d
     """A fresh drafter shaped by the target, or the --init drafter (DFlow: a DFlash one converted with a
     zero-init relay). `given` (the settings passed explicitly) must not contradict the --init drafter's shape."""
     t = target.config
+    if s["init"] and s["init_layers"]:
+        raise InputError("--init-layers starts a new drafter; --init continues one: give one of them")
     if s["init"]:
         # its draft vocabulary (if any) is a property of its training data: `train draft-vocab` remakes it
         parent = load_drafter(s["init"], target, dtype=torch.float32, draft_vocab=False)
@@ -214,9 +217,27 @@ def build_drafter(kind: str, target: Target, target_dir: Path, s: dict, given: d
     for p in drafter.parameters():
         if p.dim() >= 2:
             torch.nn.init.normal_(p, std=0.02)
+    if s["init_layers"]:
+        copy_target_layers(drafter, target, s["init_layers"])
     if drafter.relay is not None:
         drafter.relay.zero_init()
     return drafter
+
+
+def copy_target_layers(drafter: Drafter, target: Target, layer_ids: list[int]) -> None:
+    """Start the drafter's decoder layers (and final norm) as copies of the target's layers `layer_ids`:
+    they already turn the target's hidden states into next-token states. A drafter layer's q/k norms,
+    which a target without them (Llama) lacks, stay at one (the identity scale)."""
+    layers, n = target.model.layers, target.config.num_hidden_layers
+    if len(layer_ids) != len(drafter.layers) or any(not 0 <= i < n for i in layer_ids):
+        raise InputError(f"--init-layers {','.join(map(str, layer_ids))}: give {len(drafter.layers)} layer ids of "
+                         f"the target's 0..{n - 1}, one per drafter layer")
+    with torch.no_grad():
+        for mine, i in zip(drafter.layers, layer_ids, strict=True):
+            missing, unexpected = mine.load_state_dict(layers[i].state_dict(), strict=False)
+            if unexpected or any(not k.endswith(("q_norm.weight", "k_norm.weight")) for k in missing):
+                raise InputError(f"--init-layers: target layer {i} does not have the drafter layer's shape")
+        drafter.norm.load_state_dict(target.model.norm.state_dict())
 
 
 def check_init_shape(init: str, parent: Drafter, given: dict) -> None:
