@@ -38,9 +38,9 @@ class RuntimeConfig:
     requests need, not max_len. Default: every multiple of 64 from 128 up to max_len, or
     powers of two from 128 for `cudagraph`, where each bucket is a captured graph (the
     compiled round traces the length as a symbol, so there many buckets cost nothing).
-    kernels: the fused ops of the round (`dflow_rt.kernels`: attention, sample, commit; rmsnorm is
-    not wired yet): "auto" (FlashInfer attention and Triton on CUDA where they import, plain
-    torch elsewhere), "torch", "triton", or a dict op -> backend; resolved once at construction.
+    kernels: the fused ops of the round (`dflow_rt.kernels`: attention, sample, commit): "auto"
+    (FlashInfer attention and Triton on CUDA where they import, plain torch elsewhere), "torch",
+    "triton", or a dict op -> backend; resolved once at construction.
     tuned: fill the `auto` fields (and kernels "auto", default length buckets) from what
     `dflow-rt autotune` chose for these models on this device, when it wrote any (`dflow_rt.tuned`;
     the file used is logged); False: DEVICE_DEFAULTS only. Explicit settings always win.

@@ -16,7 +16,7 @@ import torch
 
 from dflow_rt.errors import InputError
 
-OPS = ("commit", "sample", "rmsnorm", "attention")
+OPS = ("commit", "sample", "attention")
 BACKENDS = ("torch", "triton", "flashinfer")
 
 
@@ -75,7 +75,6 @@ class Kernels:
     backends: Mapping[str, str]
     commit: Callable
     sample: Callable
-    rmsnorm: Callable
     attention: Callable
 
 
