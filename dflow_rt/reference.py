@@ -96,7 +96,7 @@ def generate(target: Target, drafter: Drafter | None, prompt_ids: Sequence[int] 
         block_pos = arange[:, start:start + B]
         if B > 1:
             block[:, 1:] = drafter.propose(target, block, block_pos, cache=draft_cache, ctx_feat=ctx_feat,
-                                             ctx_pos=ctx_pos, rows=rows, relay=relay)
+                                             ctx_pos=ctx_pos, relay=relay)
         checked = block[:, :k]
         logits, feat = target(checked, block_pos[:, :k], target_cache, rows, layer_ids=layer_ids)
         screen(logits, mask)
@@ -105,23 +105,23 @@ def generate(target: Target, drafter: Drafter | None, prompt_ids: Sequence[int] 
         a = int(a_t[0])
         if trace is not None:
             trace.append(RoundTrace(block[0].tolist(), verified[0].tolist(), a, _drafts_without_relay(
-                target, drafter, block, block_pos, draft_cache, rows, relay)))
+                target, drafter, block, block_pos, draft_cache, relay)))
         out += block[0, 1:a + 1].tolist() + [int(verified[0, a])]
         accepted.append(a + 1)
         if B > 1:  # carry: accepted features become context, the rest is relayed
             ctx_feat, ctx_pos = feat[:, :a + 1], block_pos[:, :a + 1]
-            relay.write(rows, feat, checked, verified, a_t)
+            relay.write(None, feat, checked, verified, a_t)
         start += a + 1
     t2 = time.perf_counter()
     out, _ = cut_at_stop(out[:max_new_tokens], stops)
     return GenerateOutput(out, accepted, t1 - t0, t2 - t1)
 
 
-def _drafts_without_relay(target, drafter, block, block_pos, cache, rows, relay) -> list[int] | None:
+def _drafts_without_relay(target, drafter, block, block_pos, cache, relay) -> list[int] | None:
     """The same draft pass with the relay off (context is already in `cache`, so none is passed)."""
     if drafter is None or not drafter.use_relay or relay is None:
         return None
     masked = torch.full_like(block, drafter.config.mask_token_id)
     masked[:, 0] = block[:, 0]
     with relay_off(drafter):
-        return drafter.propose(target, masked, block_pos, cache=cache, rows=rows, relay=relay)[0].tolist()
+        return drafter.propose(target, masked, block_pos, cache=cache, relay=relay)[0].tolist()

@@ -272,13 +272,8 @@ class Runtime:
 
     def _finish(self, req: Request) -> None:
         req.finished = True
-        if req.row >= 0:
-            # The row keeps running as padding until it is reused: park it at position 0, where its
-            # block always fits the cache (its last round may have left start within B of max_len).
-            self.state.active[req.row] = False
-            self.state.temperature[req.row] = 0  # padding must not keep rounds on the sampling path
-            self.state.start[req.row] = 0
-            self.state.ctx_start[req.row] = 0
+        if req.row >= 0:  # the row keeps running as padding until it is reused
+            self.state.park(req.row)
             heapq.heappush(self.free_rows, req.row)
             self.rows[req.row], req.row = None, -1
 

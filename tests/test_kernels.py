@@ -18,11 +18,11 @@ from hypothesis import strategies as st
 from dflow_rt import Runtime
 from dflow_rt.errors import InputError
 from dflow_rt.kernels import backend, resolve, select
-from dflow_rt.kernels.attention import attention_torch, attention_triton, block_mask
-from dflow_rt.kernels.commit import commit_torch, commit_triton, relay_write_torch
+from dflow_rt.kernels.attention import attention_torch, attention_triton
+from dflow_rt.kernels.commit import commit_torch, commit_triton
 from dflow_rt.kernels.flashinfer_backend import FlashInferAttention, plan_inputs
 from dflow_rt.kernels.sample import sample_torch, sample_triton
-from dflow_rt.models.relay import RelayBuffer
+from dflow_rt.models.layers import cache_mask
 from dflow_rt.sampling import uniform
 from tests.conftest import FIXTURES, load_pair
 from tests.helpers import fixed
@@ -92,18 +92,6 @@ def test_commit_matches_reference(case):
     commit_triton(block, verified, features, **state)
     for name, value in expected.items():
         assert torch.equal(state[name], value), name
-
-
-@pytest.mark.parametrize("k", [8, 5])
-def test_relay_reference_is_the_relay_buffer_write(k):
-    g = generator(0)
-    block, verified = (torch.randint(0, 5, (4, k), generator=g, device=DEV) for _ in "bv")
-    accepted, features = torch.tensor([0, 3, k - 1, 2], device=DEV), torch.randn(4, k, 10, generator=g, device=DEV)
-    buffer, mine = RelayBuffer(4, 8, 10, torch.float16, DEV), RelayBuffer(4, 8, 10, torch.float16, DEV)
-    buffer.write(None, features, block, verified, accepted)
-    features_, accepted_, bonus_, rejected_, width_ = mine.tensors()
-    relay_write_torch(features_, accepted_, bonus_, rejected_, width_, features, block, verified, accepted)
-    assert all(torch.equal(a, b) for a, b in zip(buffer.tensors(), mine.tensors(), strict=True))
 
 
 # --- sample -------------------------------------------------------------------------------
@@ -240,7 +228,7 @@ def test_flashinfer_plan_describes_the_reference_mask(causal):
     planned = (key < kv_len[:, None, None]).expand(-1, B, -1)
     if causal:
         planned = planned & (key <= (kv_len - B)[:, None, None] + i)
-    assert torch.equal(planned, block_mask(torch.tensor(starts), B, length, causal))
+    assert torch.equal(planned, cache_mask(torch.tensor(starts)[:, None] + torch.arange(B), length, causal))
     with pytest.raises(ValueError):
         plan_inputs([13], B, length)
     with pytest.raises(ValueError, match="head_dim"):

@@ -63,8 +63,15 @@ class DecodeState:
                 parts[f.name] = value.view(n, length) if isinstance(value, KVCache) else value.view(n)
         return DecodeState(**parts)
 
+    def park(self, row: int) -> None:
+        """Make `row` padding until a request reuses it: inactive, greedy (padding must not keep rounds
+        on the sampling path), at position 0, where its block always fits the cache (its last round
+        may have left `start` within B of max_len)."""
+        for t in (self.active, self.temperature, self.start, self.ctx_start):
+            t[row] = 0
+
     def clean(self, row: int) -> None:
-        """Zero every cache entry and relay record of `row` and park it as padding.
+        """Zero every cache entry and relay record of `row` and park it.
 
         Masks do not contain a NaN or inf left by a failed request: attention multiplies masked
         keys and values by zero weights, and 0 * NaN is NaN. A row is cleaned when it faults,
@@ -75,8 +82,9 @@ class DecodeState:
             for t in self.relay.tensors():
                 t[row] = 0
             self.relay.clear(torch.tensor([row], device=self.tokens.device))
-        for t in (self.tokens, self.start, self.ctx_start, self.fresh, self.active, self.temperature, self.faulted):
+        for t in (self.tokens, self.fresh, self.faulted):
             t[row] = 0
+        self.park(row)
 
     def caches(self) -> list[torch.Tensor]:
         """The key/value tensors, whose length axis (2) varies across length buckets."""

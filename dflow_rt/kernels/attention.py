@@ -20,22 +20,15 @@ import torch
 import torch.nn.functional as F
 
 from dflow_rt.kernels.backend import interpreting, triton_kernel
+from dflow_rt.models.layers import cache_mask
 
 tl: Any = None  # triton.language, bound on the first launch (backend.triton_kernel)
 
 
-def block_mask(start: torch.Tensor, block: int, length: int, causal: bool) -> torch.Tensor:
-    """[b, block, length]: which keys each slot sees, built as the models build it."""
-    keys = torch.arange(length, device=start.device)
-    if causal:
-        return keys <= (start[:, None] + torch.arange(block, device=start.device))[:, :, None]
-    return (keys < start[:, None, None] + block).expand(-1, block, -1)
-
-
 def attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: torch.Tensor,
                     causal: bool) -> torch.Tensor:
-    """SDPA with the dense boolean mask."""
-    mask = block_mask(start, q.shape[2], k.shape[2], causal)
+    """SDPA with the dense boolean mask the models build."""
+    mask = cache_mask(start[:, None] + torch.arange(q.shape[2], device=start.device), k.shape[2], causal)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=True)
 
 

@@ -13,23 +13,10 @@ from typing import Any
 import torch
 
 from dflow_rt.kernels.backend import triton_kernel
+from dflow_rt.models.relay import RelayBuffer
 from dflow_rt.sampling import accept
 
 tl: Any = None  # triton.language, bound on the first launch (backend.triton_kernel)
-
-
-def relay_write_torch(relay_features: torch.Tensor, relay_accepted: torch.Tensor, relay_bonus: torch.Tensor,
-                      relay_rejected: torch.Tensor, relay_width: torch.Tensor, features: torch.Tensor,
-                      block: torch.Tensor, verified: torch.Tensor, accepted: torch.Tensor) -> None:
-    """`RelayBuffer.write` for every row: the features [b, k, F] of the k verified positions,
-    the accepted count a, the bonus verified[a], the first rejected draft block[min(a + 1, k - 1)]
-    and the width k."""
-    k, a = block.shape[1], accepted[:, None]
-    relay_features[:, :k] = features.to(relay_features.dtype)  # the target may run in another dtype
-    relay_width[:] = k
-    relay_accepted[:] = accepted
-    relay_bonus[:] = verified.gather(1, a)[:, 0]
-    relay_rejected[:] = block.gather(1, (a + 1).clamp(max=k - 1))[:, 0]
 
 
 def commit_torch(block: torch.Tensor, verified: torch.Tensor, features: torch.Tensor | None, tokens: torch.Tensor,
@@ -50,8 +37,8 @@ def commit_torch(block: torch.Tensor, verified: torch.Tensor, features: torch.Te
     emitted = committed.gather(1, (torch.arange(k + 1, device=block.device) + skip).clamp(max=k))
     out[:, :k + 2].copy_(torch.cat([(a + 1 + fresh.long())[:, None], emitted], dim=1))
     if relay_features is not None:
-        relay_write_torch(relay_features, relay_accepted, relay_bonus, relay_rejected, relay_width, features, block,
-                          verified, a)
+        relay = RelayBuffer(relay_features, relay_accepted, relay_bonus, relay_rejected, relay_width)
+        relay.write(None, features, block, verified, a)
     ctx_start.copy_(torch.where(active, start, ctx_start))
     start.add_((a + 1) * active.long())
     tokens.copy_(bonus[:, 0])

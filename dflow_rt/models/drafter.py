@@ -9,7 +9,6 @@ Logits come from the target's `lm_head`; the drafter owns neither table.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -18,7 +17,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from dflow_rt.models.layers import DecoderLayer, KVCache, RMSNorm, Rotary, attend_cached
+from dflow_rt.models.layers import CachedPass, DecoderLayer, KVCache, RMSNorm, Rotary
 from dflow_rt.models.relay import Relay, RelayBuffer, relay_keys, relay_mask, shift_to_slots
 
 RELAY_INPUTS = ("mask_embedding", "kv")
@@ -130,7 +129,7 @@ class Drafter(nn.Module):
 
     def new_relay_buffer(self, batch: int, block_size: int | None = None) -> RelayBuffer:
         w = self.fc.weight
-        return RelayBuffer(batch, block_size or self.block_size, w.shape[1], w.dtype, w.device)
+        return RelayBuffer.allocate(batch, block_size or self.block_size, w.shape[1], w.dtype, w.device)
 
     def project(self, features: torch.Tensor) -> torch.Tensor:
         """Target features [..., K*hidden] -> `hidden_norm(fc(features))` [..., hidden], what both the
@@ -184,27 +183,22 @@ class Drafter(nn.Module):
             self.write_context(ctx_feat, ctx_pos, cache, rows)
         cos, sin = self.rotary(block_pos, block_emb.dtype)
         size = block_pos.shape[1]
-        kernel, mask = None, None
-        if attention is not None:
-            kernel = functools.partial(attention, start=block_pos[:, 0], causal=False)
-        else:
-            visible = torch.arange(cache.max_len, device=block_pos.device) < block_pos[:, :1, None] + size
-            mask = visible.expand(-1, size, -1)
+        cached = CachedPass.build(cache, rows, block_pos, (cos, sin), False, attention)
         if relay_kv is not None:
             relay_kv = relay_kv[0], relay_mask(relay_kv[1], size)
         h = block_emb
         for i, layer in enumerate(self.layers):
             def attend(attn, x, i=i):
                 extra = None if relay_kv is None else relay_keys(attn, *relay_kv, cos, sin)
-                return attend_cached(attn, x, cos, sin, mask, cache, i, rows, block_pos, extra, kernel)
+                return cached.attend(i, attn, x, extra)
 
             h = layer(h, attend)
         return self.norm(h)
 
     def propose(self, target: nn.Module, block_ids: torch.Tensor, block_pos: torch.Tensor, *, cache: KVCache,
                 ctx_feat: torch.Tensor | None = None, ctx_pos: torch.Tensor | None = None,
-                rows: torch.Tensor | None = None, relay: RelayBuffer | None = None,
-                attention: Callable | None = None, width: int | None = None) -> torch.Tensor:
+                relay: RelayBuffer | None = None, attention: Callable | None = None,
+                width: int | None = None) -> torch.Tensor:
         """Greedy drafts [batch, width - 1] for slots 1.. of `block_ids` (one denoising step).
 
         With a DFlow relay and a `relay` buffer holding the last verify pass, the rejected
@@ -212,20 +206,20 @@ class Drafter(nn.Module):
         `width` (default: the block): the pass still runs over the whole block, so the drafts
         are the same, but only slots below `width` go through the vocabulary head (fewer rows
         of the largest GEMM of a batched draft pass, when the target verifies a short prefix).
-        `attention`: see `forward`.
+        `attention`: see `forward`. Every row of `cache` and `relay` drafts.
         """
         emb, relay_kv, ctx = self.embed(target, block_ids), None, None
         if ctx_feat is not None:
-            ctx = self.write_context(ctx_feat, ctx_pos, cache, rows)
+            ctx = self.write_context(ctx_feat, ctx_pos, cache, None)
         if self.use_relay and relay is not None:
             # The static round's context is the relay buffer itself: project it once.
-            shared = ctx if rows is None and ctx_feat is relay.features else None
-            vectors, valid = self.relay_vectors(target, relay, rows, shared)
+            shared = ctx if ctx_feat is relay.features else None
+            vectors, valid = self.relay_vectors(target, relay, None, shared)
             if self.config.relay_input == "kv":
                 relay_kv = vectors, valid
             else:
                 emb = emb + vectors
-        h = self(emb, block_pos, cache=cache, rows=rows, relay_kv=relay_kv, attention=attention)
+        h = self(emb, block_pos, cache=cache, relay_kv=relay_kv, attention=attention)
         return self.greedy(target, h[:, 1:width])
 
 

@@ -7,7 +7,9 @@ per-head tensors are [batch, heads, seq, head_dim].
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -143,19 +145,50 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).flatten(2))
 
 
-def attend_cached(attn: Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
-                  cache: KVCache, layer: int, rows: torch.Tensor | None, positions: torch.Tensor,
-                  extra: tuple | None = None, kernel: Callable | None = None) -> torch.Tensor:
-    """Write the keys/values of `x` at `positions` of `cache`, then attend over the whole cache
-    (through `kernel(q, k, v)` when given, see `Attention.output`).
+def cache_mask(positions: torch.Tensor, length: int, causal: bool) -> torch.Tensor:
+    """[b, n, length]: the cache positions that queries at `positions` [b, n] (each row's run on
+    from positions[:, 0]) see: up to their own (`causal`: prefill and verify), or every position
+    before the end of their block (the drafter's bidirectional block)."""
+    keys = torch.arange(length, device=positions.device)
+    if causal:
+        return keys <= positions[:, :, None]
+    return (keys < positions[:, :1, None] + positions.shape[1]).expand(-1, positions.shape[1], -1)
 
-    The cache stays one tensor per layer that attention reads in place: no concatenation of
-    old and new keys, whose copy grows with the context every round.
-    """
-    k, v = attn.key_value(x, cos, sin)
-    cache.write(layer, rows, positions, k, v)
-    k, v = cache.read(layer, rows)
-    return attn.output(attn.query(x, cos, sin), k, v, mask, extra, kernel)
+
+@dataclass
+class CachedPass:
+    """One forward pass over a static KV cache: the rows and positions its tokens are written
+    to, their rotary angles, and what they attend to (`cache_mask`, or a fused block-attention
+    kernel of `dflow_rt.kernels` that knows the mask from the first position)."""
+
+    cache: KVCache
+    rows: torch.Tensor | None
+    positions: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    mask: torch.Tensor | None
+    kernel: Callable | None
+
+    @classmethod
+    def build(cls, cache: KVCache, rows: torch.Tensor | None, positions: torch.Tensor, rope: tuple,
+              causal: bool, attention: Callable | None = None) -> CachedPass:
+        """`rope` = (cos, sin) of `positions`; `attention(q, k, v, start, causal)` replaces the masked SDPA."""
+        if attention is not None:
+            kernel = functools.partial(attention, start=positions[:, 0], causal=causal)
+            return cls(cache, rows, positions, *rope, None, kernel)
+        return cls(cache, rows, positions, *rope, cache_mask(positions, cache.max_len, causal), None)
+
+    def attend(self, layer: int, attn: Attention, x: torch.Tensor, extra: tuple | None = None) -> torch.Tensor:
+        """Write the keys/values of `x` to the cache, then attend over the whole cache (see
+        `Attention.output` for `extra`).
+
+        The cache stays one tensor per layer that attention reads in place: no concatenation of
+        old and new keys, whose copy grows with the context every round.
+        """
+        k, v = attn.key_value(x, self.cos, self.sin)
+        self.cache.write(layer, self.rows, self.positions, k, v)
+        k, v = self.cache.read(layer, self.rows)
+        return attn.output(attn.query(x, self.cos, self.sin), k, v, self.mask, extra, self.kernel)
 
 
 class MLP(nn.Module):

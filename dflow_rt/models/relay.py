@@ -14,6 +14,8 @@ drafts exactly as before.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -82,6 +84,7 @@ def shift_to_slots(features: torch.Tensor, accepted: torch.Tensor,
     return shifted, valid
 
 
+@dataclass
 class RelayBuffer:
     """Per-request store of the last verify pass, preallocated once and rewritten in place.
 
@@ -92,20 +95,24 @@ class RelayBuffer:
     recorded as a fully accepted block, which relays nothing.
     """
 
-    def __init__(self, batch: int, block_size: int, feature_dim: int, dtype: torch.dtype,
-                 device: torch.device | str):
-        self.features = torch.zeros(batch, block_size, feature_dim, dtype=dtype, device=device)
-        self.accepted = torch.full((batch,), block_size - 1, dtype=torch.long, device=device)
-        self.bonus = torch.zeros(batch, dtype=torch.long, device=device)
-        self.rejected = torch.zeros(batch, dtype=torch.long, device=device)
-        self.width = torch.full((batch,), block_size, dtype=torch.long, device=device)
+    features: torch.Tensor  # [batch, B, F]
+    accepted: torch.Tensor  # [batch]
+    bonus: torch.Tensor  # [batch]
+    rejected: torch.Tensor  # [batch]
+    width: torch.Tensor  # [batch]
+
+    @classmethod
+    def allocate(cls, batch: int, block_size: int, feature_dim: int, dtype: torch.dtype,
+                 device: torch.device | str) -> RelayBuffer:
+        def longs(value: int) -> torch.Tensor:
+            return torch.full((batch,), value, dtype=torch.long, device=device)
+
+        return cls(torch.zeros(batch, block_size, feature_dim, dtype=dtype, device=device), longs(block_size - 1),
+                   longs(0), longs(0), longs(block_size))
 
     def view(self, n: int) -> RelayBuffer:
         """The first `n` rows, sharing storage (a batch bucket of the static round)."""
-        out = object.__new__(RelayBuffer)
-        for name, value in vars(self).items():
-            setattr(out, name, value[:n])
-        return out
+        return RelayBuffer(*(t[:n] for t in self.tensors()))
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.features, self.accepted, self.bonus, self.rejected, self.width]
@@ -113,7 +120,9 @@ class RelayBuffer:
     def write(self, rows: torch.Tensor | None, features: torch.Tensor, block: torch.Tensor, verified: torch.Tensor,
               accepted: torch.Tensor) -> None:
         """Record one verify pass of `rows` (None: all): features [b, k, F] and ids [b, k] of the k
-        verified block positions (k <= B), accepted [b]."""
+        verified block positions (k <= B), accepted [b]. The one relay write: the reference round,
+        training and the batched round's `commit_torch` call it (the Triton commit kernel repeats
+        it in its launch and is tested against `commit_torch`)."""
         k, a = block.shape[1], accepted[:, None]
         idx = slice(None) if rows is None else rows
         self.features[idx, :k] = features.to(self.features.dtype)  # the target may run in another dtype

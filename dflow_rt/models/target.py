@@ -8,14 +8,13 @@ trained on exactly that, so the last layer's feature is its normed output (`Targ
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from dflow_rt.models.layers import DecoderLayer, KVCache, RMSNorm, Rotary, attend_cached
+from dflow_rt.models.layers import CachedPass, DecoderLayer, KVCache, RMSNorm, Rotary
 
 ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}
 
@@ -90,17 +89,15 @@ class Target(nn.Module):
         """
         h = self.model.embed_tokens(ids)
         cos, sin = self.rotary(positions, h.dtype)
-        kernel = None
-        if attention is not None and cache is not None:
-            kernel, mask = functools.partial(attention, start=positions[:, 0], causal=True), None
+        if cache is not None:
+            cached, mask = CachedPass.build(cache, rows, positions, (cos, sin), True, attention), None
         else:
-            keys = positions[:, None, :] if cache is None else torch.arange(cache.max_len, device=ids.device)
-            mask = keys <= positions[:, :, None]
+            cached, mask = None, positions[:, None, :] <= positions[:, :, None]
         picked = {}
         for i, layer in enumerate(self.model.layers):
             def attend(attn, x, i=i):
-                if cache is not None:
-                    return attend_cached(attn, x, cos, sin, mask, cache, i, rows, positions, kernel=kernel)
+                if cached is not None:
+                    return cached.attend(i, attn, x)
                 k, v = attn.key_value(x, cos, sin)
                 return attn.output(attn.query(x, cos, sin), k, v, mask)
 
