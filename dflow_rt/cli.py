@@ -7,7 +7,7 @@ import json
 import sys
 
 from dflow_rt.config import BACKENDS
-from dflow_rt.errors import DflowError, RequestError
+from dflow_rt.errors import DflowError
 from dflow_rt.launch import add_tuned_args, load_models_from, model_args, runtime_config, tuned_knobs
 
 
@@ -16,6 +16,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
     import torch
 
+    from dflow_rt.generation import run_one
     from dflow_rt.requests import check_fits
     from dflow_rt.runtime import Runtime
     from dflow_rt.tokenizer import stop_token_ids
@@ -37,28 +38,18 @@ def cmd_generate(args: argparse.Namespace) -> None:
     config = runtime_config(args, tuned, block, max_batch=1, max_len=len(ids) + args.max_new_tokens + block)
     t0 = time.perf_counter()
     rt = Runtime(target, drafter, config)
-    rid = rt.add_request(ids, max_new_tokens=args.max_new_tokens, stop_token_ids=stop_token_ids(tokenizer))
-    t1 = time.perf_counter()
-    first = len(rt.step()[rid])  # prefill, then the first round
-    t2 = time.perf_counter()
-    while not rt.is_finished(rid):
-        rt.step()
-    t3 = time.perf_counter()
-    req = rt.pop(rid)
-    if req.error is not None:
-        raise RequestError(rid, req.error)
-    text = tokenizer.decode(req.emitted, skip_special_tokens=True)
-    decode_s = t3 - t2
-    stats = {"tau": round(sum(req.acceptance) / max(len(req.acceptance), 1), 4),
-             "tokens_per_s": round((len(req.emitted) - first) / decode_s, 2) if decode_s > 0 else 0.0,
-             "rounds": len(req.acceptance)}
+    setup_s = time.perf_counter() - t0
+    out = run_one(rt, ids, args.max_new_tokens, stop_token_ids(tokenizer))
+    text = tokenizer.decode(out.token_ids, skip_special_tokens=True)
+    stats = {"tau": round(out.tau, 4), "tokens_per_s": round(out.decode_tokens_per_s, 2),
+             "rounds": len(out.acceptance_lengths)}
     if args.json:
-        print(json.dumps({"text": text, "token_ids": req.emitted, "prompt_ids": list(ids),
-                          "acceptance_lengths": req.acceptance, **stats, "backend": rt.config.backend,
+        print(json.dumps({"text": text, "token_ids": out.token_ids, "prompt_ids": list(ids),
+                          "acceptance_lengths": out.acceptance_lengths, **stats, "backend": rt.config.backend,
                           "verify_width": rt.config.verify_width, "threads": torch.get_num_threads(),
                           "dtype": str(target.lm_head.weight.dtype).removeprefix("torch."),
-                          "setup_s": round(t1 - t0, 4), "first_step_s": round(t2 - t1, 4),
-                          "decode_s": round(decode_s, 4)}))
+                          "setup_s": round(setup_s, 4), "first_step_s": round(out.first_step_seconds, 4),
+                          "decode_s": round(out.decode_seconds, 4)}))
     else:
         print(text)
         print(f"\ntau {stats['tau']:.2f} | decode {stats['tokens_per_s']:.1f} tokens/s | {stats['rounds']} rounds",

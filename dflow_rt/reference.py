@@ -1,6 +1,7 @@
 """The reference round, batch 1, greedy: prefill -> (draft -> verify -> accept -> carry)*.
 
-Plain eager torch with the semantics every faster backend must reproduce token for token.
+Plain eager torch with the semantics the Runtime must reproduce token for token in every mode:
+the oracle of the tests (`dflow_rt.reference.generate`); callers decode with `dflow_rt.generate`.
 The target's KV cache and the drafter's context cache are static and addressed by absolute
 position, so rolling back a rejected suffix is only moving `start`.
 """
@@ -13,11 +14,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dflow_rt.config import AUTO, RuntimeConfig
+from dflow_rt.errors import InputError
 from dflow_rt.models.drafter import Drafter, relay_off
 from dflow_rt.models.layers import reserve_positions
 from dflow_rt.models.target import Target
 from dflow_rt.requests import check_fits, check_int, cut_at_stop, prompt_tensor, stop_set
-from dflow_rt.sampling import accept, screen
+from dflow_rt.sampling import accept, excluded_token, screen
 
 
 @dataclass
@@ -32,10 +35,13 @@ class RoundTrace:
 
 @dataclass
 class GenerateOutput:
+    """One request's tokens and timings, from `dflow_rt.generate` (a Runtime) or the reference round."""
+
     token_ids: list[int]
     acceptance_lengths: list[int] = field(default_factory=list)
-    prefill_seconds: float = 0.0
-    decode_seconds: float = 0.0
+    first_step_seconds: float = 0.0  # prefill (the reference); prefill and the first round (a Runtime)
+    decode_seconds: float = 0.0  # every later round
+    first_step_tokens: int = 1  # tokens the first step emitted
 
     @property
     def tau(self) -> float:
@@ -44,36 +50,52 @@ class GenerateOutput:
 
     @property
     def decode_tokens_per_s(self) -> float:
-        """Tokens after the first (which comes from prefill) per second of decoding."""
-        return (len(self.token_ids) - 1) / self.decode_seconds if self.decode_seconds > 0 else 0.0
+        """Tokens after the first step per second of the later rounds."""
+        return (len(self.token_ids) - self.first_step_tokens) / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+
+def request_length(target: Target, drafter: Drafter | None, config: RuntimeConfig | None, prompt_len: int,
+                   max_new_tokens: int) -> tuple[int, int]:
+    """(block size B, positions one request needs: prompt + new tokens + one block), after checking
+    them against `config.max_len` (default: the target's max_position_embeddings)."""
+    max_new_tokens = check_int("max_new_tokens", max_new_tokens, 1)
+    B = 1 if drafter is None else check_int("block_size", (config and config.block_size) or drafter.block_size, 1)
+    limit = target.config.max_position_embeddings if config is None else config.max_len
+    check_fits(prompt_len, max_new_tokens, B, limit)
+    return B, prompt_len + max_new_tokens + B
+
+
+def _verify_width(config: RuntimeConfig, block_size: int) -> int:
+    """The batch-1 verify width a config names: None = the block, an int, or a dict's entry for 1."""
+    width = config.verify_width.get(1) if isinstance(config.verify_width, dict) else config.verify_width
+    if width == AUTO:
+        raise InputError("verify_width 'auto' is chosen by a Runtime for its device: the reference round "
+                         "takes None (the whole block), an int or {1: k}")
+    return block_size if width is None else check_int("verify_width", width, 1, block_size)
 
 
 @torch.inference_mode()
 def generate(target: Target, drafter: Drafter | None, prompt_ids: Sequence[int] | torch.Tensor,
-             max_new_tokens: int = 64, block_size: int | None = None,
-             stop_token_ids: Sequence[int] | None = None, max_len: int | None = None,
-             verify_width: int | None = None, emit_mask_token: bool = False,
-             trace: list[RoundTrace] | None = None) -> GenerateOutput:
-    """Greedy speculative decoding; `drafter=None` or `block_size=1` decodes autoregressively.
+             max_new_tokens: int = 64, stop_token_ids: Sequence[int] | None = None,
+             config: RuntimeConfig | None = None, trace: list[RoundTrace] | None = None) -> GenerateOutput:
+    """Greedy speculative decoding, batch 1, eager; `drafter=None` or block size 1 decodes autoregressively.
 
-    Emits exactly the target's own greedy continuation: `max_new_tokens` tokens, or up to
-    and including the first stop token; with a drafter, the target never chooses its mask token
-    (the Runtime's rule: a mask token is no text, and the drafter's block would read it as a hole),
-    unless `emit_mask_token`, as in the public DFlash implementation.
-    `verify_width` k: the drafter drafts its whole block, the target verifies only its first k
-    positions (default all). A `trace` list receives every round (for a DFlow drafter also what
-    it would have drafted with its relay off).
+    Emits exactly the target's own greedy continuation: `max_new_tokens` tokens, or up to and
+    including the first stop token; with a drafter, the target never chooses its mask token
+    (`sampling.excluded_token`). `config` holds the settings this round shares with a Runtime
+    (`dflow_rt.generate` takes the same): block_size (default the drafter's), verify_width (the
+    drafter drafts its whole block, the target verifies the first k; default all), emit_mask_token,
+    and max_len, which bounds prompt + new tokens + block (default: the target's
+    max_position_embeddings); its other fields choose how a Runtime runs and mean nothing here.
+    A `trace` list receives every round (for a DFlow drafter also what it would have drafted
+    with its relay off).
     """
     device, vocab = target.lm_head.weight.device, target.config.vocab_size
     prompt = prompt_tensor(prompt_ids, vocab, device)
-    max_new_tokens = check_int("max_new_tokens", max_new_tokens, 1)
-    B = 1 if drafter is None else check_int("block_size", drafter.block_size if block_size is None else block_size, 1)
-    k = B if verify_width is None else check_int("verify_width", verify_width, 1, B)
     P = prompt.shape[1]
-    limit = target.config.max_position_embeddings if max_len is None else check_int("max_len", max_len, 2)
-    check_fits(P, max_new_tokens, B, limit)
+    B, length = request_length(target, drafter, config, P, max_new_tokens)  # caches cover this request, no more
+    k = B if config is None else _verify_width(config, B)
     stops = stop_set(stop_token_ids, vocab)
-    length = P + max_new_tokens + B  # caches and rotary tables cover what this request needs, no more
     reserve_positions(length, target, drafter)
     layer_ids = drafter.target_layer_ids if B > 1 else ()
     rows = torch.zeros(1, dtype=torch.long, device=device)
@@ -81,7 +103,7 @@ def generate(target: Target, drafter: Drafter | None, prompt_ids: Sequence[int] 
     draft_cache = drafter.new_cache(1, length) if B > 1 else None
     relay = drafter.new_relay_buffer(1, B) if B > 1 else None
     arange = torch.arange(length, device=device)[None]
-    mask = None if drafter is None or emit_mask_token else drafter.config.mask_token_id
+    mask = excluded_token(drafter, config is not None and config.emit_mask_token)
 
     t0 = time.perf_counter()
     logits, ctx_feat = target(prompt, arange[:, :P], target_cache, rows, layer_ids=layer_ids, logits_from=P - 1)

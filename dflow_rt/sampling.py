@@ -62,6 +62,13 @@ def sample_from_uniform(logits: torch.Tensor, temperature: torch.Tensor, top_k: 
     return torch.where(temperature[:, None] > 0, sampled, greedy)
 
 
+def excluded_token(drafter, emit_mask_token: bool = False) -> int | None:
+    """The token no choice may be (`screen` excludes it): beside a drafter, its mask token, which is
+    no text and which a block would read as a hole, unless `emit_mask_token` (the public DFlash
+    implementation lets the target choose it); without a drafter, none."""
+    return None if drafter is None or emit_mask_token else drafter.config.mask_token_id
+
+
 def screen(logits: torch.Tensor, exclude: int | None = None) -> torch.Tensor:
     """Rows [batch] of `logits` [batch, n, vocab] that hold a NaN or +inf, or a position without a
     finite logit; then, in place, token `exclude` (the drafter's mask token) gets logit -inf so that

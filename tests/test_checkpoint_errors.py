@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import pickle
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -372,8 +373,8 @@ def drafter(target) -> dflow_rt.Drafter:
 @pytest.mark.parametrize("use_drafter", [True, False])
 def test_prompt_longer_than_the_cache(target, drafter, use_drafter):
     with pytest.raises(InputError) as info:
-        dflow_rt.generate(target, drafter if use_drafter else None, list(range(20)) * 2, max_new_tokens=4,
-                          max_len=32)
+        dflow_rt.reference.generate(target, drafter if use_drafter else None, list(range(20)) * 2, max_new_tokens=4,
+                                    config=dflow_rt.RuntimeConfig(max_len=32, verify_width=None))
     assert "prompt of 40 tokens" in str(info.value) and "does not fit max_len 32" in str(info.value)
     assert isinstance(info.value, ValueError)
 
@@ -381,18 +382,20 @@ def test_prompt_longer_than_the_cache(target, drafter, use_drafter):
 def test_prompt_that_just_fits_the_cache(target, drafter):
     """The bound is exact: prompt + max_new_tokens + one block fills the cache without error."""
     fit = 3 + 4 + drafter.block_size
-    assert len(dflow_rt.generate(target, drafter, [1, 2, 3], max_new_tokens=4, max_len=fit).token_ids) == 4
-    with pytest.raises(InputError, match=f"does not fit max_len {fit - 1}"):
-        dflow_rt.generate(target, drafter, [1, 2, 3], max_new_tokens=4, max_len=fit - 1)
+    for generate in (dflow_rt.reference.generate, dflow_rt.generate):
+        config = dflow_rt.RuntimeConfig(max_len=fit, backend="eager", verify_width=None)
+        assert len(generate(target, drafter, [1, 2, 3], max_new_tokens=4, config=config).token_ids) == 4
+        with pytest.raises(InputError, match=f"does not fit max_len {fit - 1}"):
+            generate(target, drafter, [1, 2, 3], max_new_tokens=4, config=replace(config, max_len=fit - 1))
 
 
 @pytest.mark.parametrize("prompt", [[], (), torch.empty(0, dtype=torch.long)])
 def test_empty_prompt(target, drafter, prompt):
     with pytest.raises(InputError, match="prompt_ids is empty"):
-        dflow_rt.generate(target, drafter, prompt, max_new_tokens=4)
+        dflow_rt.reference.generate(target, drafter, prompt, max_new_tokens=4)
 
 
 @pytest.mark.parametrize("prompt", [[24], [-1], [1, 2, 99], torch.tensor([3, 24])])
 def test_out_of_vocab_prompt_ids(target, drafter, prompt):
     with pytest.raises(InputError, match=r"prompt_ids must be integers in 0\.\.23"):
-        dflow_rt.generate(target, drafter, prompt, max_new_tokens=4)
+        dflow_rt.reference.generate(target, drafter, prompt, max_new_tokens=4)

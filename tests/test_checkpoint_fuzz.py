@@ -141,7 +141,7 @@ def test_mutated_drafter_config(target, edits):
     with tempfile.TemporaryDirectory() as tmp:
         directory = write_dir(Path(tmp) / "d", cfg, DRAFTER / "model.safetensors")
         event(loads_or_refuses(lambda: dflow_rt.load_drafter(directory, target),
-                               lambda d: dflow_rt.generate(target, d, [1, 2, 3], max_new_tokens=4)))
+                               lambda d: dflow_rt.reference.generate(target, d, [1, 2, 3], max_new_tokens=4)))
 
 
 DTYPES = ["F32", "F16", "BF16", "F64", "I32", "I64", "U8", "BOOL", "F8_E4M3", "F8_E5M2", "Q4", "", 5, None]

@@ -84,7 +84,7 @@ def test_decoding_with_a_draft_vocabulary_is_lossless(backend):
     outs = Runtime(target, drafter, config).generate(prompts, max_new_tokens=64)
     changed = 0
     for prompt, out, case in zip(prompts, outs, cases, strict=True):
-        ref = dflow_rt.generate(target, drafter, prompt, max_new_tokens=64)
+        ref = dflow_rt.reference.generate(target, drafter, prompt, max_new_tokens=64)
         assert out == ref.token_ids == case["output_ids"]
         changed += ref.acceptance_lengths != case["acceptance_lengths"]
     assert changed  # the set changed drafts, and the output did not change

@@ -36,7 +36,7 @@ def test_tau_through_runtime_matches_the_reference_round(reference_pair, tempera
     prompts = [c["prompt_ids"] for c in CASES[:5]]
     result = measure_tau(target, drafter, prompts, "t", temperature, max_new_tokens=40, batch=2)
     if temperature == 0:
-        refs = [dflow_rt.generate(target, drafter, p, max_new_tokens=40).acceptance_lengths for p in prompts]
+        refs = [dflow_rt.reference.generate(target, drafter, p, max_new_tokens=40).acceptance_lengths for p in prompts]
         assert result.acceptance == refs
     # Sampling is seeded per prompt: the same prompts give the same rounds again, at another batch size too.
     again = measure_tau(target, drafter, prompts, "t", temperature, max_new_tokens=40, batch=4)
@@ -92,7 +92,7 @@ def test_cli_eval_tau_json(reference_pair, capsys, monkeypatch):
     report = json.loads(capsys.readouterr().out)
     entry = report["suites"]["math"]
     target, drafter = reference_pair
-    refs = [dflow_rt.generate(target, drafter, FakeTokenizer().encode(t), max_new_tokens=24) for t in
+    refs = [dflow_rt.reference.generate(target, drafter, FakeTokenizer().encode(t), max_new_tokens=24) for t in
             ["a b c", "x y z w"]]
     assert entry["per_prompt_tau"] == [round(r.tau, 4) for r in refs]
     assert sum(entry["histogram"]) == entry["rounds"] == sum(len(r.acceptance_lengths) for r in refs)

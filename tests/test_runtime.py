@@ -55,7 +55,7 @@ def test_backends_match_reference_round(reference_pair, backend):
     assert len({L for _, L, _ in used}) >= 2, used
     assert any(drafter.config.mask_token_id in c["output_ids"] for c in CASES)  # the public round emits it here
     for case, out, cnt in zip(CASES, outs, counts, strict=True):
-        ref = dflow_rt.generate(target, drafter, case["prompt_ids"], max_new_tokens=64, emit_mask_token=True)
+        ref = dflow_rt.reference.generate(target, drafter, case["prompt_ids"], 64, config=fixed(emit_mask_token=True))
         assert out == ref.token_ids == case["output_ids"]
         assert cnt == reference_counts(ref)
 
@@ -71,7 +71,7 @@ def test_inductor_round_matches_reference_round(reference_pair):
     used = record_buckets(rt)
     outs, counts = per_round(rt, [c["prompt_ids"] for c in CASES[:3]], 64)
     for case, out, cnt in zip(CASES[:3], outs, counts, strict=True):
-        ref = dflow_rt.generate(target, drafter, case["prompt_ids"], max_new_tokens=64)
+        ref = dflow_rt.reference.generate(target, drafter, case["prompt_ids"], max_new_tokens=64)
         assert out == ref.token_ids == case["output_ids"] and cnt == reference_counts(ref)
     assert {L for _, L, _ in used} == {64, 160} and {g for _, _, g in used} == {True}
     eager = Runtime(target, drafter, fixed(max_batch=2, max_len=160))
@@ -105,7 +105,7 @@ def test_dflow_relay_in_static_round_matches_reference_round(reference_pair, rel
     rt = Runtime(target, drafter, fixed(max_batch=2, max_len=160))
     outs, counts = per_round(rt, [c["prompt_ids"] for c in CASES[:4]], 48)
     for case, out, cnt in zip(CASES[:4], outs, counts, strict=True):
-        ref = dflow_rt.generate(target, drafter, case["prompt_ids"], max_new_tokens=48)
+        ref = dflow_rt.reference.generate(target, drafter, case["prompt_ids"], max_new_tokens=48)
         assert out == ref.token_ids and cnt == reference_counts(ref)
 
 
@@ -250,7 +250,7 @@ def test_finished_rows_stay_inside_a_tight_cache(reference_pair):
     rt = Runtime(target, drafter, fixed(max_batch=2, max_len=max(map(len, prompts)) + max_new + 16))
     outs = rt.generate(prompts, max_new_tokens=max_new)
     for p, out in zip(prompts, outs, strict=True):
-        assert out == dflow_rt.generate(target, drafter, p, max_new_tokens=max_new).token_ids
+        assert out == dflow_rt.reference.generate(target, drafter, p, max_new_tokens=max_new).token_ids
 
 
 @pytest.mark.parametrize("relay", [False, True], ids=["dflash", "dflow"])
@@ -266,7 +266,7 @@ def test_every_verify_width_matches_the_reference_round(reference_pair, relay):
         rt = Runtime(target, drafter, RuntimeConfig(backend="eager", max_batch=2, max_len=96, verify_width=k))
         outs, counts = per_round(rt, prompts, 40)
         for prompt, out, cnt, truth in zip(prompts, outs, counts, greedy, strict=True):
-            ref = dflow_rt.generate(target, drafter, prompt, max_new_tokens=40, verify_width=k)
+            ref = dflow_rt.reference.generate(target, drafter, prompt, 40, config=fixed(verify_width=k))
             assert out == ref.token_ids == truth, k
             assert cnt == reference_counts(ref), k
             assert max(ref.acceptance_lengths) <= k

@@ -75,7 +75,7 @@ def test_greedy_matches_transformers(smollm2):
     stops = [tok.eos_token_id]
     for ids in prompts:
         n = 24 + len(ids) % 9  # 24..32 new tokens
-        ours = dflow_rt.generate(target, None, ids, max_new_tokens=n, stop_token_ids=stops).token_ids
+        ours = dflow_rt.reference.generate(target, None, ids, max_new_tokens=n, stop_token_ids=stops).token_ids
         with torch.no_grad():
             x = torch.tensor([ids])
             theirs = hf.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=n,
@@ -147,7 +147,7 @@ def test_bundled_drafters_are_lossless_and_draft(smollm2):
         assert (drafter.relay is not None) == (name == "dflow") and drafter.config.mask_token_id == 16
         taus = []
         for ids in prompts[:2] + code:
-            spec = dflow_rt.generate(target, drafter, ids, max_new_tokens=32)
-            assert spec.token_ids == dflow_rt.generate(target, None, ids, max_new_tokens=32).token_ids
+            spec = dflow_rt.reference.generate(target, drafter, ids, max_new_tokens=32)
+            assert spec.token_ids == dflow_rt.reference.generate(target, None, ids, max_new_tokens=32).token_ids
             taus.append(spec.tau)
         assert sum(taus) / len(taus) > 1.2, taus  # a drafter that never hits: 1.0

@@ -58,7 +58,7 @@ def runtime_runner(target, drafter, backend: str, batch: int, max_len: int, stop
 
 
 def reference_runner(target, drafter, stops: Sequence[int]) -> Runner:
-    """`dflow_rt.generate`, the batch-1 reference loop: its first token comes from prefill."""
+    """`dflow_rt.reference.generate`, the batch-1 reference round: its first token comes from prefill."""
 
     def run(prompts: list[list[int]], max_new: int) -> Run:
         (prompt,) = prompts

@@ -63,7 +63,7 @@ def build_pool(target, drafter, tokenizer, n_prompts: int, max_new: tuple[int, .
                                                    verify_width=None, tuned=False))
     expected = {}
     for i, p in enumerate(tqdm(prompts, desc="expected outputs", leave=False)):
-        expected[i, 0] = dflow_rt.generate(target, None, p, max_new_tokens=max(max_new)).token_ids
+        expected[i, 0] = dflow_rt.reference.generate(target, None, p, max_new_tokens=max(max_new)).token_ids
         for j, (t, k, top_p) in enumerate(SAMPLING[1:], start=1):
             expected[i, j] = alone.generate([p], max_new_tokens=max(max_new), temperature=t, top_k=k, top_p=top_p,
                                             seed=1000 + j)[0]
