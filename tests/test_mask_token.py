@@ -85,7 +85,7 @@ def test_greedy_never_emits_the_mask_token(reference_pair, kind, bias, where):
     with rigged(target, mask, bias, where):
         refs = [reference_generate(target, drafter, p, max_new_tokens=MAX_NEW) for p in PROMPTS]
         outs, counts = decode(Runtime(target, drafter, fixed(max_batch=4, max_len=160)), PROMPTS)
-        emitting = [reference_generate(target, drafter, p, max_new_tokens=MAX_NEW, emit_mask_token=True)
+        emitting = [reference_generate(target, drafter, p, max_new_tokens=MAX_NEW, config=fixed(emit_mask_token=True))
                     for p in PROMPTS]
         public, _ = decode(Runtime(target, drafter, fixed(max_batch=4, max_len=160, emit_mask_token=True)), PROMPTS)
     assert all(mask not in out for out in outs)
