@@ -146,3 +146,34 @@ def test_axes_vary_one_knob_or_a_joint_pair():
                                                                                 ("compile", "bfloat16")]
     widths = Axis("verify_width", (8, 4), per_bucket=True).candidates(start, [1, 4])
     assert [c.verify_width for c in widths] == [((1, 8), (4, 4)), ((1, 4), (4, 8))]
+
+
+def test_the_core_count_is_part_of_the_key(tmp_path, monkeypatch, reference_pair):
+    """The same CPU with fewer cores is another machine to tune for: its name (so its file) differs,
+    and knobs tuned with 4 cores are not applied in a process that may use 2."""
+    from dflow_rt.config import DEVICE_DEFAULTS
+
+    def with_cores(n: int) -> None:
+        monkeypatch.setattr(configs.os, "sched_getaffinity", lambda pid: set(range(n)), raising=False)
+        monkeypatch.setattr(configs.os, "cpu_count", lambda: n)
+
+    monkeypatch.setattr(configs, "cpu_model", lambda: "AMD EPYC 9654 96-Core Processor")
+    monkeypatch.setattr(configs, "tuned_dir", lambda directory=None: tmp_path)
+    names = {}
+    for n in (2, 4, 64):
+        with_cores(n)
+        names[n] = configs.device_name("cpu")
+    assert len({configs.device_key(name) for name in names.values()}) == 3, names
+    assert all(name.startswith("AMD EPYC 9654") for name in names.values())
+
+    knobs = {"backend": "eager", "threads": 4, "length_step": None, "buckets": {"1": {"verify_width": 5}}}
+    store({"dtype": "float32", "knobs": {"float32": knobs}}, entry_key(TARGET, DRAFTER), names[4], tmp_path)
+    target, drafter = reference_pair
+    with_cores(4)
+    assert load_tuned(TARGET, DRAFTER).threads == 4
+    assert resolve(RuntimeConfig(max_batch=2), target, drafter).verify_width == {1: 5, 2: 5}
+    with_cores(2)
+    assert load_tuned(TARGET, DRAFTER) is None
+    cpu = DEVICE_DEFAULTS["cpu", "float32"]
+    resolved = resolve(RuntimeConfig(max_batch=2), target, drafter)
+    assert (resolved.backend, resolved.verify_width) == (cpu["backend"], cpu["verify_width"])
