@@ -98,7 +98,7 @@ def part_rounds() -> dict:
     out, tokens = {}, {}
     for kernels in ("torch", "triton", "auto"):
         rt = Runtime(target, drafter, RuntimeConfig(max_batch=4, max_len=512, backend="cudagraph", kernels=kernels))
-        entry = {"backends": dict(rt.kernels.backends)}
+        entry = {"backends": dict(rt.plan.kernels.backends)}
         for batch in (1, 4):
             rids = [rt.add_request(p, max_new_tokens=400) for p in prompts[:batch]]
             for _ in range(5):

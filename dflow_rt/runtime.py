@@ -22,9 +22,9 @@ import torch
 
 from dflow_rt.config import RuntimeConfig
 from dflow_rt.errors import BusyError, InputError, RequestError
+from dflow_rt.graphs.plan import RoundPlan
 from dflow_rt.graphs.runner import build_rounds
 from dflow_rt.graphs.state import DecodeState
-from dflow_rt.kernels import select_for
 from dflow_rt.limits import check_config, check_memory, rotary_growth
 from dflow_rt.requests import check_fits, check_int, check_sampling, cut_at_stop, prompt_tensor, stop_set
 from dflow_rt.sampling import sample, screen
@@ -61,25 +61,14 @@ class Runtime:
         if c.backend == "cudagraph" and target.lm_head.weight.device.type != "cuda":
             raise InputError("backend 'cudagraph' needs the models on a CUDA device")
         self.target, self.drafter = target, drafter
-        self.block_size = 1 if drafter is None else (c.block_size or drafter.block_size)
-        self.layer_ids = drafter.target_layer_ids if drafter is not None else ()
-        self.buckets, self.lengths = c.buckets(), c.lengths()
-        self.widths = c.widths(self.block_size)
-        if min(self.lengths) <= self.block_size or max(self.lengths) > c.max_len:  # (batch buckets: check_config)
-            raise InputError(f"length_buckets must lie in {self.block_size + 1}..max_len ({c.max_len}), "
-                             f"got {self.lengths}")
-        check_memory(c, target, drafter, self.block_size)
-        self.kernels = select_for(c.kernels, target, drafter)
-        plan = self._plan_attention if hasattr(self.kernels.attention, "plan") else None  # FlashInfer
-        self.mask_id = drafter.config.mask_token_id if drafter is not None else None
-        self.excluded = None if c.emit_mask_token else self.mask_id  # the token the target never chooses
+        self.plan = plan = RoundPlan.of(c, target, drafter)
+        check_memory(c, target, drafter, plan.block_size)
+        before = self.prepare_attention if hasattr(plan.kernels.attention, "plan") else None  # FlashInfer
         self.rows: list[Request | None] = [None] * c.max_batch
         with rotary_growth(c.max_len, target, drafter):  # undone if construction fails
-            self.state = DecodeState.allocate(target, drafter, c.max_batch, c.max_len, self.block_size)
+            self.state = DecodeState.allocate(target, drafter, c.max_batch, c.max_len, plan.block_size)
             with torch.inference_mode(), self._compile_cache():
-                self.rounds = build_rounds(target, drafter, self.state, self.buckets, self.lengths, c.backend,
-                                           self.mask_id or 0, self.layer_ids, c.compile_backend, self.widths,
-                                           self.kernels, plan, c.emit_mask_token, c.freeze)
+                self.rounds = build_rounds(target, drafter, self.state, plan, before)
         self.waiting: deque[Request] = deque()
         self.free_rows = list(range(c.max_batch))  # a heap: lowest rows first keeps buckets small
         self.requests: dict[int, Request] = {}
@@ -99,11 +88,7 @@ class Runtime:
 
         from dflow_rt.graphs import compile_cache
 
-        # not the lengths: the rounds trace the cache length as a symbol, so one entry serves every max_len
-        settings = {"backend": c.backend, "rows": self.buckets, "widths": self.widths, "block_size": self.block_size,
-                    "mask_id": self.mask_id, "emit_mask_token": c.emit_mask_token, "layer_ids": self.layer_ids,
-                    "kernels": dict(self.kernels.backends)}
-        key, what = compile_cache.entry_key(self.target, self.drafter, settings)
+        key, what = compile_cache.entry_key(self.target, self.drafter, self.plan.graph_settings())
         hit = compile_cache.load(key)
         if not hit:
             log.warning("compiling the rounds for these shapes (minutes if torch never compiled them here; later "
@@ -124,7 +109,7 @@ class Runtime:
         vocab = self.target.config.vocab_size
         prompt = prompt_tensor(prompt_ids, vocab, self.state.tokens.device)[0]
         max_new_tokens = check_int("max_new_tokens", max_new_tokens, 1)
-        check_fits(prompt.numel(), max_new_tokens, self.block_size, self.config.max_len)
+        check_fits(prompt.numel(), max_new_tokens, self.plan.block_size, self.config.max_len)
         sampling = check_sampling(temperature, top_k, top_p, seed, vocab)
         stops = stop_set(stop_token_ids, vocab)
         rid = next(self._rids)
@@ -180,20 +165,33 @@ class Runtime:
         finally:
             self._stepping.release()
 
-    def _plan_attention(self, rows: int, length: int) -> None:
-        """FlashInfer's host-side plan before a round of bucket (rows, length): each row starts at
-        its request's position (the device's `start`, known here without a read), padding at 0."""
-        starts = [0 if r is None else r.position for r in self.rows[:rows]]
-        blocks = {True: self.widths[rows], False: self.block_size}  # queries per row: verify, draft
-        self.kernels.attention.plan(rows, length, starts, blocks, self.state.tokens.device)
+    def prepare_attention(self, rows: int, length: int, starts: list[int] | None = None) -> None:
+        """FlashInfer's host-side plan before a round of bucket (rows, length); nothing for the other
+        attention kernels. Each row starts at `starts`, by default its request's position (the
+        device's `start`, known here without a read), padding at 0."""
+        if not hasattr(self.plan.kernels.attention, "plan"):
+            return
+        if starts is None:
+            starts = [0 if r is None else r.position for r in self.rows[:rows]]
+        blocks = {True: self.plan.widths[rows], False: self.plan.block_size}  # queries per row: verify, draft
+        self.plan.kernels.attention.plan(rows, length, starts, blocks, self.state.tokens.device)
+
+    @property
+    def block_size(self) -> int:
+        return self.plan.block_size
+
+    def bucket(self, rows: int, position: int) -> tuple[int, int]:
+        """The (batch, length) bucket of a round over rows [0, rows) whose furthest block starts at `position`."""
+        p = self.plan
+        n = p.rows[bisect.bisect_left(p.rows, rows)]
+        return n, p.lengths[bisect.bisect_left(p.lengths, position + p.block_size)]
 
     def _step(self) -> dict[int, list[int]]:
         self._admit()
         live = [r for r in self.rows if r is not None]
         if not live:
             return {}
-        n = self.buckets[bisect.bisect_left(self.buckets, max(r.row for r in live) + 1)]
-        length = self.lengths[bisect.bisect_left(self.lengths, max(r.position for r in live) + self.block_size)]
+        n, length = self.bucket(max(r.row for r in live) + 1, max(r.position for r in live))
         greedy = (n, length, True) in self.rounds and all(r.temperature == 0 for r in live)
         self.rounds[n, length, greedy]()
         out = self.state.out[:n].tolist()  # the one host read of the round; the last column flags faults
@@ -302,9 +300,9 @@ class Runtime:
                                                   dtype=getattr(s, name).dtype)
         pos = torch.arange(P, device=dev).expand(len(group), P)
         ids = torch.stack([r.prompt for r in group])
-        logits, features = self.target(ids, pos, s.target_cache, rows, layer_ids=self.layer_ids,
+        logits, features = self.target(ids, pos, s.target_cache, rows, layer_ids=self.plan.layer_ids,
                                        logits_from=P - 1)
-        s.faulted[rows] = screen(logits, self.excluded)  # reported with the next round's tokens
+        s.faulted[rows] = screen(logits, self.plan.exclude)  # reported with the next round's tokens
         if self.drafter is not None:
             self.drafter.write_context(features, pos, s.draft_cache, rows)
             s.relay.clear(rows)

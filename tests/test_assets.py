@@ -68,7 +68,7 @@ def test_bench_cli_reports_every_phase(tmp_path, monkeypatch, width):
     rows = result["rows"]
     assert [(r["backend"], r["batch"]) for r in rows] == [("eager", 2)] and result["verify_width"] == width
     assert {"tokens_per_s", "draft_ms", "verify_ms", "commit_ms", "host_frac"} <= rows[0].keys()
-    assert len(built) == 2 and all(rt.widths == {2: width or 16} for rt in built)  # end to end, phases
+    assert len(built) == 2 and all(rt.plan.widths == {2: width or 16} for rt in built)  # end to end, phases
 
 
 def test_bundled_names_resolve(tmp_path, monkeypatch):

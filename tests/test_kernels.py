@@ -269,7 +269,7 @@ def test_runtime_with_triton_kernels_emits_the_torch_tokens(pair):
     runs = {}
     for kernels in ("torch", "triton"):
         rt = Runtime(target, drafter, fixed(max_batch=2, max_len=160, kernels=kernels))
-        assert set(rt.kernels.backends.values()) == {kernels}
+        assert set(rt.plan.kernels.backends.values()) == {kernels}
         runs[kernels] = rt.generate(PROMPTS, max_new_tokens=16), rt.generate(PROMPTS[:2], **SAMPLED)
     assert runs["triton"] == runs["torch"]
     assert runs["torch"][0] == [c["output_ids"][:16] for c in CASES]  # the DFlash reference's tokens

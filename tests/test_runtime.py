@@ -133,7 +133,7 @@ def test_no_recompiles_and_fixed_storage_over_200_rounds(reference_pair):
     rt = Runtime(target, drafter, fixed(max_batch=4, max_len=2048, backend="compile",
                                                 length_buckets=(48, 64, 96), compile_backend="aot_eager"))
     graphs = counters["stats"]["unique_graphs"]
-    assert graphs == 2 * len(rt.buckets), "per batch bucket, a greedy and a sampling graph; the length symbolic"
+    assert graphs == 2 * len(rt.plan.rows), "per batch bucket, a greedy and a sampling graph; the length symbolic"
     used = record_buckets(rt)
     ptrs = [t.data_ptr() for t in rt.state.tensors()]
     rounds, sizes, accepted = 0, set(), set()
@@ -279,7 +279,7 @@ def test_verify_width_per_batch_bucket(reference_pair):
     config = RuntimeConfig(max_batch=4, max_len=96, batch_buckets=(1, 4), verify_width={1: 3},
                            backend="compile", compile_backend="aot_eager")
     rt = Runtime(target, drafter, config)
-    assert rt.widths == {1: 3, 4: 16}
+    assert rt.plan.widths == {1: 3, 4: 16}
     prompts = [c["prompt_ids"] for c in CASES[:4]]
     outs, _ = per_round(rt, prompts[:1], 40)  # one request: bucket 1, width 3
     assert outs[0] == CASES[0]["output_ids"][:40] and max(rt_acceptance(rt, prompts[0])) <= 3

@@ -3,13 +3,13 @@
 Two passes per configuration on identical requests:
 1. end to end: `step()` wall time (median step), split into the round itself and host work
    (admission excluded: requests are admitted before timing starts), and tokens/s;
-2. phases: the draft, verify and accept+carry phases run (and, for compiled backends,
-   compiled) separately on a second Runtime, to show where a round's time goes (medians).
+2. phases: the round's own draft, verify and accept+carry phases (`batched_round`, with the
+   Runtime's kernels) run (and, for compiled backends, compiled) separately on a second Runtime,
+   to show where a round's time goes (medians).
 """
 
 from __future__ import annotations
 
-import bisect
 import functools
 import platform
 import statistics
@@ -88,24 +88,29 @@ def end_to_end(target, drafter, configs: list[tuple[str, int]], prompts, rounds:
 
 
 def phases(target, drafter, backend: str, batch: int, prompts, rounds: int, width: int | None = None) -> dict:
+    """Median milliseconds of each phase of the round that runs (`batched_round.draft`, `verify` and
+    `commit` with the Runtime's own plan: its kernels, the mask exclusion, the fault column), run
+    apart on a second Runtime's state over the bucket `step()` would pick, greedy as the bench's
+    requests are. Compiled modes compile each phase alone (`cudagraph` too: compiled, not captured)."""
     rt = _runtime(target, drafter, backend, batch, prompts, rounds * 20, width)
-    device = rt.state.tokens.device
-    views = {L: rt.state.view(batch, L) for L in rt.lengths}
-    mask_id = drafter.config.mask_token_id if drafter is not None else 0
-    fns = {"draft": functools.partial(batched_round.draft, target, drafter, mask_token_id=mask_id, width=width),
-           "verify": functools.partial(batched_round.verify, target, layer_ids=rt.layer_ids,
-                                       greedy=True), "commit": batched_round.commit}
-    if backend != "eager":
+    plan, device = rt.plan, rt.state.tokens.device
+    views = {L: rt.state.view(batch, L) for L in plan.lengths}
+    fns = {"draft": functools.partial(batched_round.draft, target, drafter, plan=plan, width=plan.widths[batch]),
+           "verify": functools.partial(batched_round.verify, target, plan=plan, greedy=True),
+           "commit": functools.partial(batched_round.commit, plan=plan)}
+    if plan.mode != "eager":
         for view in views.values():
             mark_length_dynamic(view)
         # each phase compiles once per (backend, batch) configuration of the run, all in one process
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-        fns = {k: compile_static(f) for k, f in fns.items()}
+        fns = {k: compile_static(f, plan.compiler) for k, f in fns.items()}
     spent: dict[str, list[float]] = {k: [] for k in fns}
 
     def run(timing: bool) -> None:
-        need = int(rt.state.start[:batch].max()) + rt.block_size  # as step() picks it (not timed)
-        s = views[rt.lengths[bisect.bisect_left(rt.lengths, need)]]
+        starts = rt.state.start[:batch].tolist()  # not timed; the host's positions do not move here
+        _, length = rt.bucket(batch, max(starts))  # as step() picks it
+        rt.prepare_attention(batch, length, starts)
+        s = views[length]
         t = time.perf_counter()
         block = fns["draft"](s)
         _sync(device)
@@ -120,7 +125,7 @@ def phases(target, drafter, backend: str, batch: int, prompts, rounds: int, widt
                 spent[k].append(dt)
 
     with torch.inference_mode():
-        with compiling("inductor", device):
+        with compiling(plan.compiler, device, plan.freeze):
             for _ in range(3):
                 run(False)
         for _ in range(rounds):

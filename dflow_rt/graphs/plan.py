@@ -1,0 +1,50 @@
+"""What a Runtime's rounds are built from: its settings resolved against the models, once.
+
+The round, its compiled forms and the compile cache's key read this one object rather than a
+dozen arguments each, so a setting added here reaches all three.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dflow_rt.config import RuntimeConfig
+from dflow_rt.errors import InputError
+from dflow_rt.kernels import Kernels, select_for
+from dflow_rt.sampling import excluded_token
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    mode: str  # eager, compile or cudagraph (RuntimeConfig.backend, resolved)
+    compiler: str  # torch.compile's backend for the compiled modes
+    freeze: bool  # weights folded into compiled rounds as constants (`runner.compiling`)
+    rows: tuple[int, ...]  # batch buckets: a round runs the first `rows` rows of the state
+    lengths: tuple[int, ...]  # length buckets: a round attends over the first `length` cache positions
+    widths: dict[int, int]  # verify width per batch bucket
+    block_size: int  # B: 1 without a drafter
+    filler: int  # block slots 1.. before drafting: the drafter's mask token (0 without a drafter)
+    exclude: int | None  # the token no choice may be (`sampling.excluded_token`)
+    layer_ids: tuple[int, ...]  # target layers whose features the drafter reads
+    kernels: Kernels  # the fused ops (`dflow_rt.kernels`)
+
+    @classmethod
+    def of(cls, c: RuntimeConfig, target, drafter) -> RoundPlan:
+        """The plan of a checked config whose "auto" fields are resolved (`tuned.resolve`)."""
+        block_size = 1 if drafter is None else (c.block_size or drafter.block_size)
+        lengths = c.lengths()
+        if min(lengths) <= block_size or max(lengths) > c.max_len:  # (batch buckets: limits.check_config)
+            raise InputError(f"length_buckets must lie in {block_size + 1}..max_len ({c.max_len}), got {lengths}")
+        return cls(mode=c.backend, compiler=c.compile_backend, freeze=c.freeze, rows=c.buckets(), lengths=lengths,
+                   widths=c.widths(block_size), block_size=block_size,
+                   filler=drafter.config.mask_token_id if drafter is not None else 0,
+                   exclude=excluded_token(drafter, c.emit_mask_token),
+                   layer_ids=drafter.target_layer_ids if drafter is not None else (),
+                   kernels=select_for(c.kernels, target, drafter))
+
+    def graph_settings(self) -> dict:
+        """What the compiled rounds depend on beyond the models, for the compile cache's key: not the
+        lengths, which the rounds trace as a symbol, so one entry serves every max_len."""
+        return {"mode": self.mode, "rows": self.rows, "widths": self.widths, "block_size": self.block_size,
+                "filler": self.filler, "exclude": self.exclude, "layer_ids": self.layer_ids,
+                "kernels": dict(self.kernels.backends)}
