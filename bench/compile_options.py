@@ -4,7 +4,7 @@ would reuse the first graph it compiled), timed with other jobs of this machine 
     python bench/compile_options.py --target smollm2 --options freeze=0 freeze=1 --repeats 2 \
         --pause PID [PID ...] --json out.json
 
-Each option builds a `Runtime(backend="compile")` at batch 1 (AR and the bundled DFlash drafter at
+Each option builds a `Runtime(mode="compile")` at batch 1 (AR and the bundled DFlash drafter at
 verify width 4), then decodes `--tokens` greedy tokens for each of four fixed chat prompts; the
 figure is tokens/s over the decode (prefill excluded). Options run A B A B so drift cancels.
 """
@@ -34,7 +34,7 @@ def child(args) -> dict:
     target, drafter, tok = load_models(args.target, args.drafter, threads=args.threads)
     t0 = time.perf_counter()
     rt = dflow_rt.Runtime(target, drafter, dflow_rt.RuntimeConfig(
-        backend="compile", max_batch=1, max_len=1024, verify_width=4 if drafter else None, **opts))
+        mode="compile", max_batch=1, max_len=1024, verify_width=4 if drafter else None, **opts))
     build = time.perf_counter() - t0
     prompts = [tok.encode(chat_text(tok, p), add_special_tokens=False) for p in PROMPTS]
     rt.generate([prompts[0]], max_new_tokens=8)  # warm

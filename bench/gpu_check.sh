@@ -4,7 +4,7 @@
 #   autotune.json     `dflow-rt autotune --quick` on the bundled target and DFlash drafter (+ tuned/)
 #   bench_runtime.*   `dflow-rt bench --suite runtime`: eager / compile / cudagraph, batch 1 and 4
 #   gpu_kernels.json  fused commit vs torch, attention torch / Triton / FlashInfer, whole rounds per
-#                     kernel backend (bench/gpu_kernels.py)
+#                     kernel implementation (bench/gpu_kernels.py)
 # Run from the repository root on a machine with torch, triton, transformers and hypothesis; the
 # project goes on PYTHONPATH rather than being pip-installed (its CPU pins would replace the
 # machine's CUDA torch). FlashInfer is used where `import flashinfer` works; elsewhere attention
@@ -33,7 +33,7 @@ timeout 150 python3 -m dflow_rt.cli autotune --quick --out "$OUT/tuned" --json >
   2>"$OUT/autotune.log"; log "autotune exit $?"
 
 log "runtime bench"
-timeout 100 python3 -m dflow_rt.cli bench --suite runtime --backends eager compile cudagraph --batches 1 4 \
+timeout 100 python3 -m dflow_rt.cli bench --suite runtime --modes eager compile cudagraph --batches 1 4 \
   --rounds 30 --json "$OUT/bench_runtime.json" >"$OUT/bench_runtime.txt" 2>&1; log "bench exit $?"
 
 log "kernel figures"

@@ -1,5 +1,5 @@
 """GPU figures for the kernels: each fused op against the torch sequence it replaces, and whole
-rounds per kernel backend. CUDA only; writes OUT_DIR/gpu_kernels.json.
+rounds per kernel implementation. CUDA only; writes OUT_DIR/gpu_kernels.json.
 
 1. commit (accept + bonus + emitted tokens + carry + relay write): torch vs the one Triton launch,
    batch 1 / 4 / 8, B = 16, CUDA-event timing of 200 calls (target: Triton >= 3x torch);
@@ -7,7 +7,7 @@ rounds per kernel backend. CUDA only; writes OUT_DIR/gpu_kernels.json.
    with a dense mask vs Triton vs FlashInfer (where `import flashinfer` works), bf16;
 3. whole rounds: a Runtime (cudagraph) on random models of hidden 256 (head_dim 64) in bf16, with
    kernels = torch / triton / auto (FlashInfer attention where installed): decode tokens/s over 100
-   steps at batch 1 and 4, and the tokens of every backend equal to torch's.
+   steps at batch 1 and 4, and the tokens of every implementation equal to torch's.
 
 Each part records its error instead of stopping the others; the JSON is rewritten after each part.
 
@@ -27,7 +27,7 @@ import torch
 
 import dflow_rt
 from dflow_rt.config import RuntimeConfig
-from dflow_rt.kernels import backend as kb
+from dflow_rt.kernels import selection
 from dflow_rt.kernels.attention import attention_torch, attention_triton
 from dflow_rt.kernels.commit import commit_torch, commit_triton
 from dflow_rt.models.init_random import init_random
@@ -80,8 +80,8 @@ def part_attention() -> dict:
                "triton_ms": cuda_ms(lambda c=causal: attention_triton(q, k, v, start, c))}
         ref = attention_torch(q, k, v, start, causal).float()
         row["triton_max_diff"] = (attention_triton(q, k, v, start, causal).float() - ref).abs().max().item()
-        if kb.importable("flashinfer"):
-            fi = kb.load("attention", "flashinfer")
+        if selection.importable("flashinfer"):
+            fi = selection.load("attention", "flashinfer")
             fi.configure(causal, kv * group, kv, d, torch.bfloat16)
             fi.plan(b, L, start.tolist(), {causal: B}, torch.device("cuda"))
             row["flashinfer_ms"] = cuda_ms(lambda c=causal, f=fi: f(q, k, v, start, c))
@@ -97,8 +97,8 @@ def part_rounds() -> dict:
     prompts = [[(7 * i + j) % 250 for j in range(64)] for i in range(4)]
     out, tokens = {}, {}
     for kernels in ("torch", "triton", "auto"):
-        rt = Runtime(target, drafter, RuntimeConfig(max_batch=4, max_len=512, backend="cudagraph", kernels=kernels))
-        entry = {"backends": dict(rt.plan.kernels.backends)}
+        rt = Runtime(target, drafter, RuntimeConfig(max_batch=4, max_len=512, mode="cudagraph", kernels=kernels))
+        entry = {"implementations": dict(rt.plan.kernels.implementations)}
         for batch in (1, 4):
             rids = [rt.add_request(p, max_new_tokens=400) for p in prompts[:batch]]
             for _ in range(5):
@@ -120,7 +120,7 @@ def part_rounds() -> dict:
 def main(out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "flashinfer": kb.importable("flashinfer")}
+              "flashinfer": selection.importable("flashinfer")}
     for name, part in (("commit", part_commit), ("attention", part_attention), ("rounds", part_rounds)):
         try:
             report[name] = part()

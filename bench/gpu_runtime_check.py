@@ -1,6 +1,6 @@
 """GPU check for the static runtime (run on a CUDA machine; writes JSON to $OUT or argv[1]).
 
-1. compile and cudagraph backends emit exactly the eager round's tokens (greedy), on the
+1. compile and cudagraph modes emit exactly the eager round's tokens (greedy), on the
    reference fixture pair (which also matches the reference implementation's tokens) and on the
    bundled target with the bundled DFlow drafter (relay ring buffer inside the captured graph),
    in float32 (and, for the record, in bf16, where exact agreement is not expected);
@@ -35,17 +35,17 @@ from dflow_rt.runtime import Runtime
 from dflow_rt.tokenizer import load_tokenizer
 
 FIXTURES = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "dflash_reference"
-BACKENDS = ("eager", "compile", "cudagraph")
+MODES = ("eager", "compile", "cudagraph")
 
 
 def same_tokens(target, drafter, prompts: list[list[int]], max_new: int, expected=None, buckets=None) -> dict:
-    """Greedy tokens of every backend against eager (and `expected`, when given)."""
+    """Greedy tokens of every mode against eager (and `expected`, when given)."""
     out, report = {}, {}
-    for backend in BACKENDS:
+    for mode in MODES:
         t = time.perf_counter()
-        rt = Runtime(target, drafter, RuntimeConfig(max_batch=4, max_len=512, backend=backend, batch_buckets=buckets))
-        out[backend] = rt.generate(prompts, max_new_tokens=max_new)
-        report[f"{backend}_build_and_generate_s"] = round(time.perf_counter() - t, 1)
+        rt = Runtime(target, drafter, RuntimeConfig(max_batch=4, max_len=512, mode=mode, batch_buckets=buckets))
+        out[mode] = rt.generate(prompts, max_new_tokens=max_new)
+        report[f"{mode}_build_and_generate_s"] = round(time.perf_counter() - t, 1)
     report["match_eager"] = {b: o == out["eager"] for b, o in out.items()}
     if expected is not None:
         report["match_reference"] = {b: o == expected for b, o in out.items()}
@@ -54,7 +54,7 @@ def same_tokens(target, drafter, prompts: list[list[int]], max_new: int, expecte
 
 
 def allocations_over_steps(target, drafter, prompts: list[list[int]], steps: int = 100) -> dict:
-    rt = Runtime(target, drafter, RuntimeConfig(max_batch=4, max_len=2048, backend="cudagraph", batch_buckets=(4,)))
+    rt = Runtime(target, drafter, RuntimeConfig(max_batch=4, max_len=2048, mode="cudagraph", batch_buckets=(4,)))
     for p in prompts[:4]:
         rt.add_request(p, max_new_tokens=2048 - len(p) - drafter.block_size)
     for _ in range(5):
@@ -104,7 +104,7 @@ def main(out_dir: Path) -> None:
     dflash = dflow_rt.load_drafter(drafter_dir("dflash"), target)
 
     def bench() -> dict:
-        result = bench_runtime(target, dflash, [prompts[0]] * 4, list(BACKENDS), [1, 4], 50)
+        result = bench_runtime(target, dflash, [prompts[0]] * 4, list(MODES), [1, 4], 50)
         print(format_table(result), flush=True)
         return result
 

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from dflow_rt.config import BACKENDS
+from dflow_rt.config import MODES
 from dflow_rt.errors import DflowError
 from dflow_rt.launch import add_tuned_args, load_models_from, model_args, runtime_config, tuned_knobs
 
@@ -45,7 +45,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
              "rounds": len(out.acceptance_lengths)}
     if args.json:
         print(json.dumps({"text": text, "token_ids": out.token_ids, "prompt_ids": list(ids),
-                          "acceptance_lengths": out.acceptance_lengths, **stats, "backend": rt.config.backend,
+                          "acceptance_lengths": out.acceptance_lengths, **stats, "mode": rt.config.mode,
                           "verify_width": rt.config.verify_width, "threads": torch.get_num_threads(),
                           "dtype": str(target.lm_head.weight.dtype).removeprefix("torch."),
                           "setup_s": round(setup_s, 4), "first_step_s": round(out.first_step_seconds, 4),
@@ -142,8 +142,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
     else:
         prompt = [random.Random(0).randrange(target.config.vocab_size) for _ in range(32)]
     prompts = [prompt] * n  # one request in every row: every batch size decodes the same tokens per round
-    backends = args.backends or (["eager", "compile"] + (["cudagraph"] if device == "cuda" else []))
-    result = bench_runtime(target, drafter, prompts, backends, args.batches, args.rounds, args.verify_width)
+    modes = args.modes or (["eager", "compile"] + (["cudagraph"] if device == "cuda" else []))
+    result = bench_runtime(target, drafter, prompts, modes, args.batches, args.rounds, args.verify_width)
     result |= {"target": str(args.target or "bundled"), "drafter": str(args.drafter), "device": device,
                "verify_width": args.verify_width}
     print(format_table(result))
@@ -164,7 +164,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--verify-width", type=int, default=None, metavar="K",
                    help="verify only the first K drafted positions: fewer cost less on CPU, any K is lossless "
                         "[the tuned one, else per device: 2 on CPU in float32, 4 in bfloat16, the block on CUDA]")
-    g.add_argument("--backend", choices=BACKENDS, default=None,
+    g.add_argument("--mode", choices=MODES, default=None,
                    help="eager starts at once; compile (torch.compile: minutes the first time, seconds from its "
                         "disk cache after) decodes faster; cudagraph needs CUDA [the tuned one, else compile on "
                         "CPU and cudagraph on CUDA]")
@@ -203,12 +203,13 @@ def parser() -> argparse.ArgumentParser:
     c.set_defaults(run=cmd_convert)
     b = sub.add_parser("bench", help="benchmarks (figures for docs/RESULTS.md)")
     b.add_argument("--suite", choices=["runtime", "e2e", "serve"], default="runtime",
-                   help="runtime: phases of a round per backend; e2e: ours against transformers and prompt lookup; "
+                   help="runtime: phases of a round per mode; e2e: ours against transformers and prompt lookup; "
                         "serve: a load test of `dflow-rt serve` on loopback")
     b.add_argument("--target", default=None, help="[the bundled target, with the bundled DFlash drafter]")
     b.add_argument("--drafter", default=None, help="dflash, dflow (bundled) or a drafter directory")
     b.add_argument("--random-models", action="store_true", help="random models of the bundled size instead")
-    b.add_argument("--backends", nargs="+", choices=["eager", "compile", "cudagraph"], default=None)
+    b.add_argument("--modes", nargs="+", choices=MODES, default=None,
+                   help="how the rounds run [eager compile, and cudagraph on CUDA]")
     b.add_argument("--batches", nargs="+", type=int, default=[1, 4])
     b.add_argument("--rounds", type=int, default=30)
     b.add_argument("--verify-width", type=int, default=None, metavar="K",

@@ -7,15 +7,15 @@ from dataclasses import dataclass
 from dflow_rt.errors import InputError
 from dflow_rt.requests import check_int
 
-BACKENDS = ("eager", "compile", "cudagraph")
+MODES = ("eager", "compile", "cudagraph")  # how the rounds run: RuntimeConfig.mode
 AUTO = "auto"  # a field the Runtime chooses at start: the autotune file's knob, else DEVICE_DEFAULTS
 
 # What "auto" becomes where no autotune entry exists for the models on this device, per device class
 # (device type, weight dtype; None = any dtype). Figures behind each choice: docs/RESULTS.md, "Defaults".
 DEVICE_DEFAULTS: dict[tuple[str, str | None], dict] = {
-    ("cpu", "float32"): {"backend": "compile", "verify_width": 2},
-    ("cpu", "bfloat16"): {"backend": "compile", "verify_width": 4},
-    ("cuda", None): {"backend": "cudagraph", "verify_width": None},
+    ("cpu", "float32"): {"mode": "compile", "verify_width": 2},
+    ("cpu", "bfloat16"): {"mode": "compile", "verify_width": 4},
+    ("cuda", None): {"mode": "cudagraph", "verify_width": None},
 }
 
 
@@ -23,7 +23,7 @@ DEVICE_DEFAULTS: dict[tuple[str, str | None], dict] = {
 class RuntimeConfig:
     """Static sizes of a Runtime: everything is preallocated for `max_batch` x `max_len`.
 
-    backend: `eager` (the round as plain torch), `compile` (torch.compile, fullgraph, fixed
+    mode: how the rounds run: `eager` (plain torch), `compile` (torch.compile, fullgraph, fixed
     shapes), `cudagraph` (compiled and captured as CUDA graphs; CUDA only), or `auto`: what
     `dflow-rt autotune` chose for these models on this device, else DEVICE_DEFAULTS (compile on
     CPU, cudagraph on CUDA). Compiled rounds are kept on disk (`compile_cache`).
@@ -38,9 +38,9 @@ class RuntimeConfig:
     requests need, not max_len. Default: every multiple of 64 from 128 up to max_len, or
     powers of two from 128 for `cudagraph`, where each bucket is a captured graph (the
     compiled round traces the length as a symbol, so there many buckets cost nothing).
-    kernels: the fused ops of the round (`dflow_rt.kernels`: attention, sample, commit): "auto"
-    (FlashInfer attention and Triton on CUDA where they import, plain torch elsewhere), "torch",
-    "triton", or a dict op -> backend; resolved once at construction.
+    kernels: which implementation serves each fused op of the round (`dflow_rt.kernels`: attention,
+    sample, commit): "auto" (FlashInfer attention and Triton on CUDA where they import, plain torch
+    elsewhere), "torch", "triton", or a dict op -> implementation; resolved once at construction.
     tuned: fill the `auto` fields (and kernels "auto", default length buckets) from what
     `dflow-rt autotune` chose for these models on this device, when it wrote any (`dflow_rt.tuned`;
     the file used is logged); False: DEVICE_DEFAULTS only. Explicit settings always win.
@@ -59,11 +59,11 @@ class RuntimeConfig:
 
     max_batch: int = 8
     max_len: int = 4096
-    backend: str = AUTO
+    mode: str = AUTO
     block_size: int | None = None
     batch_buckets: tuple[int, ...] | None = None
     length_buckets: tuple[int, ...] | None = None
-    compile_backend: str = "inductor"  # torch.compile backend; tests use "aot_eager" to check tracing fast
+    compiler: str = "inductor"  # torch.compile's backend; tests use "aot_eager" to check tracing fast
     verify_width: int | dict[int, int] | str | None = AUTO
     emit_mask_token: bool = False
     tuned: bool = True
@@ -85,14 +85,14 @@ class RuntimeConfig:
         return {n: per.get(n, block_size) for n in self.buckets()}
 
     def buckets(self) -> tuple[int, ...]:
-        return _sizes(self.batch_buckets, 1, self.max_batch)
+        return _bucket_sizes(self.batch_buckets, 1, self.max_batch)
 
     def lengths(self) -> tuple[int, ...]:
-        step = None if self.backend == "cudagraph" else 64
-        return _sizes(self.length_buckets, 128, self.max_len, step)
+        step = None if self.mode == "cudagraph" else 64
+        return _bucket_sizes(self.length_buckets, 128, self.max_len, step)
 
 
-def _sizes(given: tuple[int, ...] | None, first: int, largest: int, step: int | None = None) -> tuple[int, ...]:
+def _bucket_sizes(given: tuple[int, ...] | None, first: int, largest: int, step: int | None = None) -> tuple[int, ...]:
     """`given` plus `largest`, sorted; by default `first`, then every `step` (or doubling) below `largest`."""
     sizes = set(given or ())
     if not given:

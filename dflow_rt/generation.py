@@ -20,7 +20,7 @@ from dflow_rt.requests import prompt_tensor
 from dflow_rt.runtime import Runtime
 
 # Eager rounds start at once, which suits one call; verifying the whole block matches the reference round.
-ONE_REQUEST = RuntimeConfig(max_batch=1, backend="eager", verify_width=None)
+ONE_REQUEST = RuntimeConfig(max_batch=1, mode="eager", verify_width=None)
 
 
 def generate(target, drafter, prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int = 64,
@@ -29,7 +29,7 @@ def generate(target, drafter, prompt_ids: Sequence[int] | torch.Tensor, max_new_
     """The new tokens of `prompt_ids` (up to `max_new_tokens`, or to the first stop token, included),
     with per-round acceptance lengths and timings.
 
-    `config`: the Runtime's settings (default `ONE_REQUEST`; `backend="compile"` compiles the rounds
+    `config`: the Runtime's settings (default `ONE_REQUEST`; `mode="compile"` compiles the rounds
     once per shape, then loads them from the disk cache); its max_len bounds prompt + new tokens +
     block (default: the target's max_position_embeddings) and the Runtime is sized to this one
     request. `sampling`: temperature, top_k, top_p, seed, as `Runtime.add_request` takes them

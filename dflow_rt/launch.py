@@ -32,7 +32,7 @@ def runtime_config(args: argparse.Namespace, tuned, block: int, **sizes):
     from dflow_rt.config import AUTO, RuntimeConfig
     from dflow_rt.tuned import apply
 
-    config = RuntimeConfig(**sizes, block_size=args.block_size, backend=args.backend or AUTO,
+    config = RuntimeConfig(**sizes, block_size=args.block_size, mode=args.mode or AUTO,
                            verify_width=AUTO if args.verify_width is None else args.verify_width, tuned=False)
     return apply(config, tuned, block)
 
@@ -53,7 +53,7 @@ def tuned_knobs(args: argparse.Namespace):
         print(f"--tuned: no usable knobs for these models on this device in {tuned_dir()}: runtime defaults "
               f"(`dflow-rt autotune` writes them)", file=sys.stderr)
     elif tuned is not None:
-        print(f"autotune: {tuned.path}: dtype {tuned.dtype}, backend {tuned.backend}, threads {tuned.threads}, "
+        print(f"autotune: {tuned.path}: dtype {tuned.dtype}, mode {tuned.mode}, threads {tuned.threads}, "
               f"verify width {dict(tuned.verify_width) or 'the block'} (--no-tuned: the defaults)", file=sys.stderr)
     return tuned
 
@@ -63,5 +63,5 @@ def add_tuned_args(p: argparse.ArgumentParser) -> None:
     tuned = p.add_mutually_exclusive_group()
     tuned.add_argument("--tuned", action="store_true",
                        help="say so when `dflow-rt autotune` wrote no knobs for these models here (they apply "
-                            "without the flag: dtype, threads, backend, verify widths; flags given still win)")
+                            "without the flag: dtype, threads, mode, verify widths; flags given still win)")
     tuned.add_argument("--no-tuned", action="store_true", help="ignore the autotune knobs: the built-in defaults")

@@ -15,7 +15,7 @@ from dataclasses import fields
 
 import torch
 
-from dflow_rt.config import AUTO, BACKENDS, RuntimeConfig
+from dflow_rt.config import AUTO, MODES, RuntimeConfig
 from dflow_rt.errors import InputError
 from dflow_rt.models.layers import Rotary, reserve_positions
 from dflow_rt.requests import check_int
@@ -26,7 +26,7 @@ MAX_BLOCK = 1 << 10
 GIB = 1 << 30
 
 
-def _sizes(name: str, value: object, low: int, high: int) -> None:
+def _check_sizes(name: str, value: object, low: int, high: int) -> None:
     if value is None:
         return
     if not isinstance(value, (tuple, list)) or not value:
@@ -53,7 +53,8 @@ def _name(name: str, value: object, allowed: tuple[str, ...] | None = None) -> N
 
 
 def _kernels(value: object) -> None:
-    """A kernel backend name for every op, or a dict op -> name (`kernels.backend.select` checks the names)."""
+    """A kernel implementation for every op, or a dict op -> implementation (`kernels.selection.select`
+    checks the names)."""
     if isinstance(value, Mapping):
         for op, name in value.items():
             _name("kernels op", op)
@@ -66,11 +67,11 @@ def _kernels(value: object) -> None:
 FIELD_CHECKS: dict[str, Callable[[object, RuntimeConfig], object]] = {
     "max_batch": lambda v, c: check_int("max_batch", v, 1, MAX_ROWS),
     "max_len": lambda v, c: check_int("max_len", v, 2, MAX_LEN),
-    "backend": lambda v, c: _name("backend", v, (*BACKENDS, AUTO)),
+    "mode": lambda v, c: _name("mode", v, (*MODES, AUTO)),
     "block_size": lambda v, c: v is None or check_int("block_size", v, 1, min(MAX_BLOCK, c.max_len - 1)),
-    "batch_buckets": lambda v, c: _sizes("batch_buckets", v, 1, c.max_batch),
-    "length_buckets": lambda v, c: _sizes("length_buckets", v, 2, c.max_len),
-    "compile_backend": lambda v, c: _name("compile_backend", v),
+    "batch_buckets": lambda v, c: _check_sizes("batch_buckets", v, 1, c.max_batch),
+    "length_buckets": lambda v, c: _check_sizes("length_buckets", v, 2, c.max_len),
+    "compiler": lambda v, c: _name("compiler", v),
     "verify_width": lambda v, c: _verify_width(v, c.max_batch),
     "memory_limit": lambda v, c: v is None or check_int("memory_limit", v, 0),
     "kernels": lambda v, c: _kernels(v),

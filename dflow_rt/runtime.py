@@ -58,8 +58,8 @@ class Runtime:
         c = check_config(RuntimeConfig() if config is None else config)
         c = check_config(resolve(c, target, drafter))  # "auto": the autotune file's knobs, else per-device defaults
         self.config = c
-        if c.backend == "cudagraph" and target.lm_head.weight.device.type != "cuda":
-            raise InputError("backend 'cudagraph' needs the models on a CUDA device")
+        if c.mode == "cudagraph" and target.lm_head.weight.device.type != "cuda":
+            raise InputError("mode 'cudagraph' needs the models on a CUDA device")
         self.target, self.drafter = target, drafter
         self.plan = plan = RoundPlan.of(c, target, drafter)
         check_memory(c, target, drafter, plan.block_size)
@@ -81,7 +81,7 @@ class Runtime:
         this build compiled anything (`dflow_rt.graphs.compile_cache`)."""
         c = self.config
         self.compile_cache_hit = False
-        if c.backend == "eager" or c.compile_backend != "inductor" or not c.compile_cache or c.freeze:
+        if c.mode == "eager" or c.compiler != "inductor" or not c.compile_cache or c.freeze:
             yield
             return
         from torch._dynamo.utils import counters

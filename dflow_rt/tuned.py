@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dflow_rt.config import AUTO, BACKENDS, DEVICE_DEFAULTS, RuntimeConfig
+from dflow_rt.config import AUTO, DEVICE_DEFAULTS, MODES, RuntimeConfig
 
 log = logging.getLogger(__name__)
 FORMAT = 1
@@ -38,7 +38,7 @@ class TunedConfig:
 
     dtype: str
     threads: int
-    backend: str = "eager"
+    mode: str = "eager"
     verify_width: tuple[tuple[int, int], ...] = ()
     length_step: int | None = None
     kernels: str | None = None
@@ -124,10 +124,11 @@ def load_tuned(target: str | Path | None, drafter: str | Path | None, device: ob
             return None
         widths = tuple(sorted((int(n), int(b["verify_width"])) for n, b in knobs["buckets"].items()
                               if b.get("verify_width") is not None))
-        tuned = TunedConfig(dtype, int(knobs["threads"]), knobs["backend"], widths, knobs.get("length_step"),
+        mode = knobs["mode"] if "mode" in knobs else knobs["backend"]  # files written before the rename
+        tuned = TunedConfig(dtype, int(knobs["threads"]), mode, widths, knobs.get("length_step"),
                             knobs.get("kernels"), path)
         step, kernels = tuned.length_step, tuned.kernels
-        if (tuned.dtype not in DTYPES or tuned.backend not in BACKENDS or tuned.threads < 1
+        if (tuned.dtype not in DTYPES or tuned.mode not in MODES or tuned.threads < 1
                 or any(k < 1 for _, k in widths) or not (step is None or type(step) is int and step >= 1)
                 or not (kernels is None or isinstance(kernels, str))):
             raise ValueError(f"a knob out of range in {knobs}")
@@ -142,7 +143,7 @@ def load_tuned(target: str | Path | None, drafter: str | Path | None, device: ob
 
 
 def apply(config: RuntimeConfig, tuned: TunedConfig | None, block_size: int | None = None) -> RuntimeConfig:
-    """`config` with the tuned backend, verify widths and kernels where it left them "auto" (an
+    """`config` with the tuned mode, verify widths and kernels where it left them "auto" (an
     explicit setting wins), and the tuned length spacing unless it names its own length buckets
     (explicit buckets are usually a memory decision). A batch bucket the job did not measure takes
     the width of the nearest measured one below it (else the smallest); widths are capped at
@@ -150,8 +151,8 @@ def apply(config: RuntimeConfig, tuned: TunedConfig | None, block_size: int | No
     if tuned is None:
         return config
     changes: dict = {}
-    if config.backend == AUTO:
-        changes["backend"] = tuned.backend
+    if config.mode == AUTO:
+        changes["mode"] = tuned.mode
     if config.verify_width == AUTO:
         changes["verify_width"] = None  # the job measured the whole block
         if tuned.verify_width:
@@ -181,12 +182,12 @@ def resolve(config: RuntimeConfig, target, drafter=None) -> RuntimeConfig:
     knobs when `config.tuned` finds some, else DEVICE_DEFAULTS for the device and dtype (a default
     verify width no wider than the block: 1 without a drafter)."""
     c = config
-    if c.tuned and AUTO in (c.backend, c.verify_width, c.kernels):
+    if c.tuned and AUTO in (c.mode, c.verify_width, c.kernels):
         c = tuned_for(c, target, drafter)
     weight = target.lm_head.weight
     dtype = str(weight.dtype).removeprefix("torch.")
     defaults = DEVICE_DEFAULTS.get((weight.device.type, dtype)) or DEVICE_DEFAULTS.get((weight.device.type, None))
-    defaults = dict(defaults or {"backend": "eager", "verify_width": None})
+    defaults = dict(defaults or {"mode": "eager", "verify_width": None})
     block = c.block_size or (drafter.block_size if drafter is not None else 1)
     if defaults["verify_width"] is not None:
         defaults["verify_width"] = min(defaults["verify_width"], block)

@@ -83,4 +83,4 @@ def random_relay(parent: dflow_rt.Drafter, relay_hidden: int = 32, seed: int = 0
 def fixed(**settings) -> dflow_rt.RuntimeConfig:
     """A RuntimeConfig with the fields the Runtime would otherwise choose per device fixed: eager
     rounds verifying the whole block, so that per-round figures match the reference round."""
-    return dflow_rt.RuntimeConfig(**{"backend": "eager", "verify_width": None, **settings})
+    return dflow_rt.RuntimeConfig(**{"mode": "eager", "verify_width": None, **settings})

@@ -63,10 +63,10 @@ def test_bench_cli_reports_every_phase(tmp_path, monkeypatch, width):
 
     monkeypatch.setattr(bench_runtime, "Runtime", runtime)
     assert main(["bench", "--target", str(fixtures / "target"), "--drafter", str(fixtures / "drafter"),
-                 "--backends", "eager", "--batches", "2", "--rounds", "3", "--json", str(report), *extra]) == 0
+                 "--modes", "eager", "--batches", "2", "--rounds", "3", "--json", str(report), *extra]) == 0
     result = json.loads(report.read_text())
     rows = result["rows"]
-    assert [(r["backend"], r["batch"]) for r in rows] == [("eager", 2)] and result["verify_width"] == width
+    assert [(r["mode"], r["batch"]) for r in rows] == [("eager", 2)] and result["verify_width"] == width
     assert {"tokens_per_s", "draft_ms", "verify_ms", "commit_ms", "host_frac"} <= rows[0].keys()
     assert len(built) == 2 and all(rt.plan.widths == {2: width or 16} for rt in built)  # end to end, phases
 

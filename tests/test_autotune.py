@@ -85,7 +85,7 @@ def test_missing_or_corrupt_file_falls_back_with_a_log_line(tmp_path, caplog):
         assert load_tuned(TARGET, DRAFTER, "cpu", directory=tmp_path) is None
         assert "unreadable" in caplog.text
         caplog.clear()
-        knobs = {"backend": "eager", "threads": 1, "length_step": 0, "buckets": {}}  # would make range() fail
+        knobs = {"mode": "eager", "threads": 1, "length_step": 0, "buckets": {}}  # would make range() fail
         store({"dtype": "float32", "knobs": {"float32": knobs}}, entry_key(TARGET, DRAFTER),
               configs.device_name("cpu"), tmp_path)
         assert load_tuned(TARGET, DRAFTER, "cpu", directory=tmp_path) is None
@@ -96,18 +96,19 @@ def test_missing_or_corrupt_file_falls_back_with_a_log_line(tmp_path, caplog):
 def test_keys_differ_by_device_name(tmp_path, monkeypatch, reference_pair):
     a, b = "AMD EPYC (2 cores)", "Intel(R) Xeon(R) Platinum 8480+ (2 cores)"
     assert configs.device_key(a) != configs.device_key(b)
-    for name, backend in ((a, "compile"), (b, "eager")):
-        knobs = {"backend": backend, "threads": 1, "length_step": None, "buckets": {"1": {"verify_width": 4}}}
+    for name, mode in ((a, "compile"), (b, "eager")):
+        key = "mode" if name == a else "backend"  # files written before the knob's rename call it "backend"
+        knobs = {key: mode, "threads": 1, "length_step": None, "buckets": {"1": {"verify_width": 4}}}
         store({"dtype": "float32", "knobs": {"float32": knobs}}, entry_key(TARGET, DRAFTER), name, tmp_path)
     assert len(list(tmp_path.glob("*.json"))) == 2
     monkeypatch.setenv("DFLOW_RT_CONFIG", str(tmp_path.parent))
     monkeypatch.setattr(configs, "tuned_dir", lambda directory=None: tmp_path)
-    for name, backend in ((a, "compile"), (b, "eager")):
+    for name, mode in ((a, "compile"), (b, "eager")):
         monkeypatch.setattr(configs, "device_name", lambda device="cpu", name=name: name)
-        assert load_tuned(TARGET, DRAFTER).backend == backend
+        assert load_tuned(TARGET, DRAFTER).mode == mode
         # the Runtime's hook: the loaded models' directories, device and dtype pick the entry
         config = tuned_for(RuntimeConfig(max_batch=2, max_len=128), *reference_pair)
-        assert config.backend == backend and config.verify_width == {1: 4, 2: 4}
+        assert config.mode == mode and config.verify_width == {1: 4, 2: 4}
     monkeypatch.setattr(configs, "device_name", lambda device="cpu": "NVIDIA H200")
     assert load_tuned(TARGET, DRAFTER) is None
 
@@ -122,27 +123,27 @@ def test_auto_fields_take_the_tuned_knobs_else_the_device_defaults(tmp_path, mon
     target, drafter = reference_pair
     monkeypatch.setattr(configs, "tuned_dir", lambda directory=None: tmp_path)
     plain = RuntimeConfig()
-    assert (plain.backend, plain.verify_width, plain.tuned) == (AUTO, AUTO, True)
+    assert (plain.mode, plain.verify_width, plain.tuned) == (AUTO, AUTO, True)
     cpu = DEVICE_DEFAULTS["cpu", "float32"]
     resolved = resolve(plain, target, drafter)
-    assert (resolved.backend, resolved.verify_width) == (cpu["backend"], cpu["verify_width"])
-    knobs = {"backend": "eager", "threads": 1, "length_step": None, "buckets": {"1": {"verify_width": 5}}}
+    assert (resolved.mode, resolved.verify_width) == (cpu["mode"], cpu["verify_width"])
+    knobs = {"mode": "eager", "threads": 1, "length_step": None, "buckets": {"1": {"verify_width": 5}}}
     store({"dtype": "float32", "knobs": {"float32": knobs}}, entry_key(TARGET, DRAFTER), configs.device_name("cpu"),
           tmp_path)
     tuned = resolve(RuntimeConfig(max_batch=2), target, drafter)
-    assert (tuned.backend, tuned.verify_width) == ("eager", {1: 5, 2: 5})
-    mine = resolve(RuntimeConfig(max_batch=2, backend="compile"), target, drafter)
-    assert (mine.backend, mine.verify_width) == ("compile", {1: 5, 2: 5})
+    assert (tuned.mode, tuned.verify_width) == ("eager", {1: 5, 2: 5})
+    mine = resolve(RuntimeConfig(max_batch=2, mode="compile"), target, drafter)
+    assert (mine.mode, mine.verify_width) == ("compile", {1: 5, 2: 5})
     off = resolve(RuntimeConfig(tuned=False), target, drafter)
-    assert (off.backend, off.verify_width) == (cpu["backend"], cpu["verify_width"])
+    assert (off.mode, off.verify_width) == (cpu["mode"], cpu["verify_width"])
     half = resolve(RuntimeConfig(), copy.deepcopy(target).to(torch.bfloat16), drafter)  # no bf16 entry: bf16 defaults
-    assert (half.backend, half.verify_width) == tuple(DEVICE_DEFAULTS["cpu", "bfloat16"].values())
+    assert (half.mode, half.verify_width) == tuple(DEVICE_DEFAULTS["cpu", "bfloat16"].values())
 
 
 def test_axes_vary_one_knob_or_a_joint_pair():
     start = TunedConfig("bfloat16", 1)
-    joint = Axis("backend+dtype", (("compile", "float32"), ("compile", "bfloat16"), ("eager", "bfloat16")))
-    assert [(c.backend, c.dtype) for c in joint.candidates(start, [1, 4])] == [("compile", "float32"),
+    joint = Axis("mode+dtype", (("compile", "float32"), ("compile", "bfloat16"), ("eager", "bfloat16")))
+    assert [(c.mode, c.dtype) for c in joint.candidates(start, [1, 4])] == [("compile", "float32"),
                                                                                 ("compile", "bfloat16")]
     widths = Axis("verify_width", (8, 4), per_bucket=True).candidates(start, [1, 4])
     assert [c.verify_width for c in widths] == [((1, 8), (4, 4)), ((1, 4), (4, 8))]
@@ -166,7 +167,7 @@ def test_the_core_count_is_part_of_the_key(tmp_path, monkeypatch, reference_pair
     assert len({configs.device_key(name) for name in names.values()}) == 3, names
     assert all(name.startswith("AMD EPYC 9654") for name in names.values())
 
-    knobs = {"backend": "eager", "threads": 4, "length_step": None, "buckets": {"1": {"verify_width": 5}}}
+    knobs = {"mode": "eager", "threads": 4, "length_step": None, "buckets": {"1": {"verify_width": 5}}}
     store({"dtype": "float32", "knobs": {"float32": knobs}}, entry_key(TARGET, DRAFTER), names[4], tmp_path)
     target, drafter = reference_pair
     with_cores(4)
@@ -176,4 +177,4 @@ def test_the_core_count_is_part_of_the_key(tmp_path, monkeypatch, reference_pair
     assert load_tuned(TARGET, DRAFTER) is None
     cpu = DEVICE_DEFAULTS["cpu", "float32"]
     resolved = resolve(RuntimeConfig(max_batch=2), target, drafter)
-    assert (resolved.backend, resolved.verify_width) == (cpu["backend"], cpu["verify_width"])
+    assert (resolved.mode, resolved.verify_width) == (cpu["mode"], cpu["verify_width"])

@@ -16,7 +16,7 @@ from dflow_rt.bench.report import label
 from dflow_rt.errors import DflowError
 from tests.conftest import FIXTURES
 
-COLUMNS = {"target", "method", "drafter", "backend", "batch", "dtype", "k", "prompts", "calls", "tau",
+COLUMNS = {"target", "method", "drafter", "mode", "batch", "dtype", "k", "prompts", "calls", "tau",
            "tokens_per_s", "ttft_ms", "acceptance_histogram", "identical", "tokens", "speedup_vs_hf",
            "speedup_vs_ar", "ar_baseline"}
 
@@ -26,7 +26,7 @@ def bench_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     for flag in ("--target", "--drafter", "--threads", "--device", "--json"):
         p.add_argument(flag, type=int if flag == "--threads" else str, default=None)
-    p.add_argument("--backends", nargs="+", default=None)
+    p.add_argument("--modes", nargs="+", default=None)
     p.add_argument("--batches", nargs="+", type=int, default=[1, 4])
     add_e2e_args(p)
     return p.parse_args(argv)
@@ -43,7 +43,7 @@ def fixture_args(out, *argv: str) -> argparse.Namespace:
 def result(tmp_path_factory):
     out = tmp_path_factory.mktemp("e2e")
     args = fixture_args(out, "--prompts", "3", "--max-new-tokens", "12", "--batches", "1", "2",
-                        "--backends", "eager", "compile", "--compile-backend", "aot_eager", "--dtypes", "float32",
+                        "--modes", "eager", "compile", "--compiler", "aot_eager", "--dtypes", "float32",
                         "--verify-widths", "4", "16", "--threads", "1", "--json", str(out / "e2e.json"),
                         *(["--plots", str(out)] if importlib.util.find_spec("matplotlib") else []))
     run_e2e(args)
@@ -53,12 +53,12 @@ def result(tmp_path_factory):
 def test_every_method_decodes_ar_greedy(result):
     data, _ = result
     rows = data["rows"]
-    names = {(r["method"], r["backend"], r["batch"], r["dtype"]) for r in rows}
+    names = {(r["method"], r["mode"], r["batch"], r["dtype"]) for r in rows}
     assert {("hf_generate", "eager", 1, "float32"), ("hf_prompt_lookup", "eager", 1, "float32"),
             ("reference", "eager", 1, "float32")} <= names
-    for backend in ("eager", "compile"):
+    for mode in ("eager", "compile"):
         for batch in (1, 2):
-            assert {("ar", backend, batch, "float32"), ("drafter", backend, batch, "float32")} <= names
+            assert {("ar", mode, batch, "float32"), ("drafter", mode, batch, "float32")} <= names
     assert len(rows) == len(names) == 11 and data["failures"] == data["bf16_mismatches"] == []
     assert all(r["identical"] == 1.0 and r["prompts"] == 3 for r in rows)
 
@@ -75,11 +75,11 @@ def test_columns_hang_together(result):
         assert r["tokens_per_s"] > 0 and r["ttft_ms"] > 0
         assert r["speedup_vs_hf"] == pytest.approx(r["tokens_per_s"] / hf["tokens_per_s"])
         base = r["ar_baseline"]
-        ar = next(a for a in rows if a["method"] == "ar" and (a["backend"], a["batch"], a["dtype"]) ==
-                  (base["backend"], base["batch"], base["dtype"]))
+        ar = next(a for a in rows if a["method"] == "ar" and (a["mode"], a["batch"], a["dtype"]) ==
+                  (base["mode"], base["batch"], base["dtype"]))
         assert r["speedup_vs_ar"] == pytest.approx(r["tokens_per_s"] / ar["tokens_per_s"])
         if r["method"] == "ar" or r["method"] == "drafter":
-            assert (base["backend"], base["batch"], base["dtype"]) == (r["backend"], r["batch"], r["dtype"])
+            assert (base["mode"], base["batch"], base["dtype"]) == (r["mode"], r["batch"], r["dtype"])
         if r["method"] == "drafter":
             speeds = sweep[str(r["batch"])]
             assert set(speeds) == {"4", "16"} and all(v > 0 for v in speeds.values())
@@ -114,7 +114,7 @@ def test_a_differing_output_fails_loudly(monkeypatch, tmp_path, capsys):
         return wrong
 
     monkeypatch.setattr(e2e, "reference_runner", corrupted)
-    args = fixture_args(tmp_path, "--prompts", "2", "--max-new-tokens", "6", "--batches", "1", "--backends",
+    args = fixture_args(tmp_path, "--prompts", "2", "--max-new-tokens", "6", "--batches", "1", "--modes",
                         "eager", "--verify-widths", "16", "--threads", "1", "--json", str(tmp_path / "e2e.json"))
     with pytest.raises(DflowError, match="NOT LOSSLESS: 1 float32 rows"):
         run_e2e(args)

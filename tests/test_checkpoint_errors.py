@@ -383,7 +383,7 @@ def test_prompt_that_just_fits_the_cache(target, drafter):
     """The bound is exact: prompt + max_new_tokens + one block fills the cache without error."""
     fit = 3 + 4 + drafter.block_size
     for generate in (dflow_rt.reference.generate, dflow_rt.generate):
-        config = dflow_rt.RuntimeConfig(max_len=fit, backend="eager", verify_width=None)
+        config = dflow_rt.RuntimeConfig(max_len=fit, mode="eager", verify_width=None)
         assert len(generate(target, drafter, [1, 2, 3], max_new_tokens=4, config=config).token_ids) == 4
         with pytest.raises(InputError, match=f"does not fit max_len {fit - 1}"):
             generate(target, drafter, [1, 2, 3], max_new_tokens=4, config=replace(config, max_len=fit - 1))

@@ -16,7 +16,7 @@ def demo_models(tmp_path_factory):
 
 
 def run_json(capsys, *argv):
-    assert main(["generate", *argv, "--backend", "eager", "--json"]) == 0
+    assert main(["generate", *argv, "--mode", "eager", "--json"]) == 0
     return json.loads(capsys.readouterr().out)
 
 
@@ -57,7 +57,7 @@ def test_generate_takes_the_autotune_knobs_and_flags_win(capsys, tmp_path, monke
     monkeypatch.setenv("DFLOW_RT_CONFIG", str(tmp_path))
     width = DEVICE_DEFAULTS["cpu", "float32"]["verify_width"]
     args = ["--chat", "--prompt", "Victor has 82 buttons. He gets 47 more. How many buttons does Victor have now?",
-            "--max-new-tokens", "40", "--backend", "eager"]
+            "--max-new-tokens", "40", "--mode", "eager"]
 
     def generate(*extra):
         assert main(["generate", *args, *extra, "--json"]) == 0
@@ -69,7 +69,7 @@ def test_generate_takes_the_autotune_knobs_and_flags_win(capsys, tmp_path, monke
     assert max(default["acceptance_lengths"]) == width and generate()[1] == ""  # no file, no flag: silent
 
     def write(dtype: str) -> None:
-        knobs = {"threads": 1, "backend": "eager", "length_step": None, "buckets": {"1": {"verify_width": 3}}}
+        knobs = {"threads": 1, "mode": "eager", "length_step": None, "buckets": {"1": {"verify_width": 3}}}
         store({"dtype": dtype, "knobs": {dtype: knobs}}, entry_key(target_dir(None), drafter_dir("dflash")),
               device_name("cpu"))
 
@@ -92,7 +92,7 @@ def test_generate_takes_the_autotune_knobs_and_flags_win(capsys, tmp_path, monke
 def test_generate_text_and_chat(demo_models, capsys):
     target_dir, drafter_dir = demo_models
     assert main(["generate", "--target", str(target_dir), "--drafter", str(drafter_dir), "--prompt", "hello",
-                 "--max-new-tokens", "8", "--block-size", "4", "--chat", "--backend", "eager"]) == 0
+                 "--max-new-tokens", "8", "--block-size", "4", "--chat", "--mode", "eager"]) == 0
     out = capsys.readouterr().out
     assert "tau" in out and "tokens/s" in out and "rounds" in out
     chat = run_json(capsys, "--target", str(target_dir), "--prompt", "hello", "--chat", "--max-new-tokens", "4")

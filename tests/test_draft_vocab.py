@@ -73,14 +73,14 @@ def test_restricted_drafts_are_the_masked_full_head_argmax():
     assert not torch.equal(restricted, full)  # the set really removed some greedy drafts
 
 
-@pytest.mark.parametrize("backend", ["eager", "compile"])
-def test_decoding_with_a_draft_vocabulary_is_lossless(backend):
+@pytest.mark.parametrize("mode", ["eager", "compile"])
+def test_decoding_with_a_draft_vocabulary_is_lossless(mode):
     target, drafter = load_pair(FIXTURES)
     vocab = target.config.vocab_size
     drafter.restrict_vocab(target, torch.arange(0, vocab, 2))  # half the vocabulary: many drafts change
     cases = [CASES[2], CASES[4]]  # the prompts the drafter drafts well: 16 and 6.5 tokens a round
     prompts = [c["prompt_ids"] for c in cases]
-    config = fixed(max_batch=2, max_len=160, backend=backend, compile_backend="aot_eager")
+    config = fixed(max_batch=2, max_len=160, mode=mode, compiler="aot_eager")
     outs = Runtime(target, drafter, config).generate(prompts, max_new_tokens=64)
     changed = 0
     for prompt, out, case in zip(prompts, outs, cases, strict=True):

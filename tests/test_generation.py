@@ -22,7 +22,7 @@ def test_generate_emits_the_reference_rounds(reference_pair):
         assert ours.first_step_tokens >= 1 and ours.decode_seconds >= 0
     plain = dflow_rt.generate(target, None, CASES[0]["prompt_ids"], max_new_tokens=20)
     assert plain.token_ids == dflow_rt.reference.generate(target, None, CASES[0]["prompt_ids"], 20).token_ids
-    config = RuntimeConfig(backend="eager", verify_width=3, emit_mask_token=True)
+    config = RuntimeConfig(mode="eager", verify_width=3, emit_mask_token=True)
     emitting = dflow_rt.generate(target, drafter, CASES[0]["prompt_ids"], 40, config=config)
     assert emitting.token_ids == dflow_rt.reference.generate(target, drafter, CASES[0]["prompt_ids"], 40,
                                                              config=config).token_ids
@@ -32,7 +32,7 @@ def test_generate_emits_the_reference_rounds(reference_pair):
 def test_generate_samples_as_a_runtime_does(reference_pair):
     target, drafter = reference_pair
     prompt, kw = CASES[1]["prompt_ids"], {"temperature": 0.9, "top_k": 5, "seed": 7}
-    rt = dflow_rt.Runtime(target, drafter, RuntimeConfig(max_batch=1, max_len=160, backend="eager",
+    rt = dflow_rt.Runtime(target, drafter, RuntimeConfig(max_batch=1, max_len=160, mode="eager",
                                                          verify_width=None))
     assert dflow_rt.generate(target, drafter, prompt, 30, **kw).token_ids == rt.generate([prompt], max_new_tokens=30,
                                                                                           **kw)[0]

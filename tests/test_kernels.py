@@ -1,4 +1,4 @@
-"""Every fused kernel against its torch reference, property-based; backend selection.
+"""Every fused kernel against its torch reference, property-based; which implementation serves each op.
 
 On CPU the Triton kernels run in Triton's interpreter (TRITON_INTERPRET=1, set before any
 kernel is first launched); with CUDA they run compiled, bf16 included. Integer outputs must
@@ -18,10 +18,10 @@ from hypothesis import strategies as st
 
 from dflow_rt import Runtime
 from dflow_rt.errors import InputError
-from dflow_rt.kernels import backend, resolve, select
+from dflow_rt.kernels import resolve, select, selection
 from dflow_rt.kernels.attention import attention_torch, attention_triton
 from dflow_rt.kernels.commit import commit_torch, commit_triton
-from dflow_rt.kernels.flashinfer_backend import FlashInferAttention, plan_inputs
+from dflow_rt.kernels.flashinfer_attention import FlashInferAttention, plan_inputs
 from dflow_rt.kernels.sample import sample_torch, sample_triton
 from dflow_rt.models.layers import cache_mask
 from dflow_rt.sampling import uniform
@@ -31,7 +31,7 @@ from tests.helpers import fixed
 CUDA = torch.cuda.is_available()
 if not CUDA:  # read when a kernel is first launched (kernels are decorated then), not at import
     os.environ["TRITON_INTERPRET"] = "1"
-TRITON = backend.importable("triton")
+TRITON = selection.importable("triton")
 needs_triton = pytest.mark.skipif(not TRITON, reason="triton is not installed: this test launches a Triton kernel")
 
 DEV = "cuda" if CUDA else "cpu"
@@ -180,8 +180,8 @@ def test_kernels_trace_whole_under_torch_compile():
     assert torch.equal(compiled(tokens, start), step(t2, s2)) and torch.equal(tokens, t2) and torch.equal(start, s2)
 
 
-def test_backend_resolution(monkeypatch):
-    assert select("auto", "cpu").backends == dict.fromkeys(backend.OPS, "torch")
+def test_implementation_resolution(monkeypatch):
+    assert select("auto", "cpu").implementations == dict.fromkeys(selection.OPS, "torch")
     for op, requested, device in [("commit", "flashinfer", "cuda"), ("attention", "flashinfer", "cpu"),
                                   ("attention", "cudnn", "cpu"), ("softmax", "torch", "cpu")]:
         with pytest.raises(InputError):
@@ -189,7 +189,7 @@ def test_backend_resolution(monkeypatch):
     with pytest.raises(InputError):
         select({"attn": "torch"})
     present = {"triton": True, "flashinfer": True}
-    monkeypatch.setattr(backend, "importable", lambda name: present[name])
+    monkeypatch.setattr(selection, "importable", lambda name: present[name])
     assert [resolve(op, "auto", "cuda") for op in ("attention", "commit")] == ["flashinfer", "triton"]
     present["flashinfer"] = False
     assert resolve("attention", "auto", "cuda") == "triton"
@@ -203,7 +203,7 @@ def test_backend_resolution(monkeypatch):
 
 @needs_triton
 def test_triton_is_selected_where_it_can_run(monkeypatch):
-    assert select({"attention": "triton"}, DEV).backends["attention"] == "triton"
+    assert select({"attention": "triton"}, DEV).implementations["attention"] == "triton"
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(InputError, match="CUDA"):
         resolve("commit", "triton", "cpu")
@@ -213,17 +213,18 @@ def test_flashinfer_falls_back_where_it_cannot_serve_the_models(reference_pair, 
     """The fixture models are fp32 with head_dim 16: "auto" moves on to Triton (torch without it), a
     named request fails."""
     target, drafter = reference_pair
-    picked = {**dict.fromkeys(backend.OPS, "torch"), "attention": "flashinfer"}
-    monkeypatch.setattr(backend, "select", lambda spec, device: backend.Kernels(
-        picked, *(backend.load(op, b) for op, b in picked.items())))
-    assert backend.select_for("auto", target, drafter).backends["attention"] == ("triton" if TRITON else "torch")
+    picked = {**dict.fromkeys(selection.OPS, "torch"), "attention": "flashinfer"}
+    monkeypatch.setattr(selection, "select", lambda spec, device: selection.Kernels(
+        picked, *(selection.load(op, b) for op, b in picked.items())))
+    chosen = selection.select_for("auto", target, drafter).implementations["attention"]
+    assert chosen == ("triton" if TRITON else "torch")
     with pytest.raises(InputError, match="head_dim"):
-        backend.select_for({"attention": "flashinfer"}, target, drafter)
+        selection.select_for({"attention": "flashinfer"}, target, drafter)
 
 
 def test_import_without_triton():
     code = ("import sys; sys.modules['triton'] = None; import dflow_rt, dflow_rt.kernels as k; "
-            "assert k.select('auto', 'cpu').backends['commit'] == 'torch'\n"
+            "assert k.select('auto', 'cpu').implementations['commit'] == 'torch'\n"
             "try: k.select('triton', 'cpu')\nexcept dflow_rt.InputError as e: print(e)")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and "pip install" in run.stdout, run.stderr
@@ -269,7 +270,7 @@ def test_runtime_with_triton_kernels_emits_the_torch_tokens(pair):
     runs = {}
     for kernels in ("torch", "triton"):
         rt = Runtime(target, drafter, fixed(max_batch=2, max_len=160, kernels=kernels))
-        assert set(rt.plan.kernels.backends.values()) == {kernels}
+        assert set(rt.plan.kernels.implementations.values()) == {kernels}
         runs[kernels] = rt.generate(PROMPTS, max_new_tokens=16), rt.generate(PROMPTS[:2], **SAMPLED)
     assert runs["triton"] == runs["torch"]
     assert runs["torch"][0] == [c["output_ids"][:16] for c in CASES]  # the DFlash reference's tokens
@@ -279,8 +280,8 @@ def test_runtime_with_triton_kernels_emits_the_torch_tokens(pair):
 def test_compiled_round_holds_the_kernels(pair):
     """The whole round, kernels included, under torch.compile(fullgraph=True): no graph break."""
     target, drafter = pair
-    config = fixed(max_batch=1, max_len=160, length_buckets=(160,), backend="compile",
-                           compile_backend="aot_eager", kernels="triton")
+    config = fixed(max_batch=1, max_len=160, length_buckets=(160,), mode="compile", compiler="aot_eager",
+                   kernels="triton")
     expected = Runtime(target, drafter, fixed(max_batch=1, max_len=160, kernels="torch"))
     assert Runtime(target, drafter, config).generate(PROMPTS[:1], max_new_tokens=12) == \
         expected.generate(PROMPTS[:1], max_new_tokens=12)

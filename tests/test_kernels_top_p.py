@@ -27,8 +27,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import TemperatureLogitsWarper, TopPLogitsWarper
 
-from dflow_rt.kernels.backend import importable
 from dflow_rt.kernels.sample import sample_torch, sample_triton
+from dflow_rt.kernels.selection import importable
 
 CUDA = torch.cuda.is_available()
 if not CUDA:  # read when a kernel is first launched (kernels are decorated then), not at import

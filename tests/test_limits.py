@@ -29,10 +29,10 @@ def test_every_config_field_has_a_check():
 
 @pytest.mark.parametrize("field, value", [
     ("max_batch", 0), ("max_batch", 2.0), ("max_batch", True), ("max_batch", "4"), ("max_batch", 1 << 40),
-    ("max_len", 1), ("max_len", 160.0), ("max_len", None), ("backend", "jit"), ("backend", 3),
+    ("max_len", 1), ("max_len", 160.0), ("max_len", None), ("mode", "jit"), ("mode", 3),
     ("block_size", 0), ("block_size", 4.0), ("block_size", 10**6), ("batch_buckets", (1.0,)), ("batch_buckets", ()),
     ("batch_buckets", "12"), ("batch_buckets", (0,)), ("length_buckets", (48.5,)), ("length_buckets", (1 << 30,)),
-    ("compile_backend", ""), ("compile_backend", None), ("verify_width", 1.5), ("verify_width", {1.0: 3}),
+    ("compiler", ""), ("compiler", None), ("verify_width", 1.5), ("verify_width", {1.0: 3}),
     ("verify_width", {"1": 3}), ("verify_width", [2]), ("memory_limit", -1), ("memory_limit", 1e9),
     ("kernels", 3), ("kernels", {"sample": None}),
 ])

@@ -1,4 +1,4 @@
-"""Runtime.step(): every backend emits the reference round's tokens; static state; sampling."""
+"""Runtime.step(): every mode emits the reference round's tokens; static state; sampling."""
 
 import json
 
@@ -45,11 +45,11 @@ def reference_counts(out):
     return counts
 
 
-@pytest.mark.parametrize("backend", ["eager", "compile"])
-def test_backends_match_reference_round(reference_pair, backend):
+@pytest.mark.parametrize("mode", ["eager", "compile"])
+def test_every_mode_matches_the_reference_round(reference_pair, mode):
     target, drafter = reference_pair
-    rt = Runtime(target, drafter, fixed(max_batch=4, max_len=160, backend=backend, emit_mask_token=True,
-                                                length_buckets=(48, 80, 112), compile_backend="aot_eager"))
+    rt = Runtime(target, drafter, fixed(max_batch=4, max_len=160, mode=mode, emit_mask_token=True,
+                                                length_buckets=(48, 80, 112), compiler="aot_eager"))
     used = record_buckets(rt)
     outs, counts = per_round(rt, [c["prompt_ids"] for c in CASES], 64)
     assert len({L for _, L, _ in used}) >= 2, used
@@ -66,7 +66,7 @@ def test_inductor_round_matches_reference_round(reference_pair):
     greedy variant, sampled ones as eager and on the sampling variant, three requests sharing
     the two rows."""
     target, drafter = reference_pair
-    rt = Runtime(target, drafter, fixed(max_batch=2, batch_buckets=(2,), max_len=160, backend="compile",
+    rt = Runtime(target, drafter, fixed(max_batch=2, batch_buckets=(2,), max_len=160, mode="compile",
                                                 length_buckets=(64,)))
     used = record_buckets(rt)
     outs, counts = per_round(rt, [c["prompt_ids"] for c in CASES[:3]], 64)
@@ -82,12 +82,12 @@ def test_inductor_round_matches_reference_round(reference_pair):
     assert {g for _, _, g in used} == {False}
 
 
-@pytest.mark.parametrize("backend", ["eager", "compile"])
-def test_greedy_and_sampled_rows_share_a_round(reference_pair, backend):
+@pytest.mark.parametrize("mode", ["eager", "compile"])
+def test_greedy_and_sampled_rows_share_a_round(reference_pair, mode):
     """Greedy rounds skip the sampler on CPU; a batch mixing greedy and sampled rows must
     still give each request exactly the tokens it gets alone."""
     target, drafter = reference_pair
-    cfg = fixed(max_batch=4, max_len=160, backend=backend, compile_backend="aot_eager")
+    cfg = fixed(max_batch=4, max_len=160, mode=mode, compiler="aot_eager")
     rt, alone = Runtime(target, drafter, cfg), Runtime(target, drafter, fixed(max_batch=1, max_len=160))
     kws = [{}, {"temperature": 1.0, "seed": 5}, {}, {"temperature": 0.8, "top_k": 4, "seed": 6}]
     rids = [rt.add_request(c["prompt_ids"], max_new_tokens=40, **kw) for c, kw in zip(CASES, kws, strict=False)]
@@ -114,7 +114,7 @@ def test_static_round_projects_the_relay_buffer_once(reference_pair):
     not once for the context and again for the relay."""
     target, parent = reference_pair
     drafter = random_relay(parent)
-    rt = Runtime(target, drafter, fixed(max_batch=2, max_len=160, backend="eager"))
+    rt = Runtime(target, drafter, fixed(max_batch=2, max_len=160, mode="eager"))
     rt.add_request(CASES[0]["prompt_ids"], max_new_tokens=100)
     rt.step()  # prefill and a first round
     calls = []
@@ -130,8 +130,8 @@ def test_no_recompiles_and_fixed_storage_over_200_rounds(reference_pair):
     target, drafter = reference_pair
     torch._dynamo.reset()
     counters.clear()
-    rt = Runtime(target, drafter, fixed(max_batch=4, max_len=2048, backend="compile",
-                                                length_buckets=(48, 64, 96), compile_backend="aot_eager"))
+    rt = Runtime(target, drafter, fixed(max_batch=4, max_len=2048, mode="compile",
+                                                length_buckets=(48, 64, 96), compiler="aot_eager"))
     graphs = counters["stats"]["unique_graphs"]
     assert graphs == 2 * len(rt.plan.rows), "per batch bucket, a greedy and a sampling graph; the length symbolic"
     used = record_buckets(rt)
@@ -215,7 +215,7 @@ def test_stop_tokens_and_bad_requests(reference_pair):
     with pytest.raises(dflow_rt.InputError):
         rt.add_request([1, 2], temperature=-1)
     with pytest.raises(dflow_rt.InputError):
-        Runtime(target, drafter, fixed(backend="cudagraph"))
+        Runtime(target, drafter, fixed(mode="cudagraph"))
 
 
 def test_sampling_is_reproducible_and_pathwise_autoregressive(reference_pair):
@@ -263,7 +263,7 @@ def test_every_verify_width_matches_the_reference_round(reference_pair, relay):
     greedy = [c["output_ids"][:40] for c in CASES[:3]]
     longest = {}
     for k in range(1, drafter.block_size + 1):
-        rt = Runtime(target, drafter, RuntimeConfig(backend="eager", max_batch=2, max_len=96, verify_width=k))
+        rt = Runtime(target, drafter, RuntimeConfig(mode="eager", max_batch=2, max_len=96, verify_width=k))
         outs, counts = per_round(rt, prompts, 40)
         for prompt, out, cnt, truth in zip(prompts, outs, counts, greedy, strict=True):
             ref = dflow_rt.reference.generate(target, drafter, prompt, 40, config=fixed(verify_width=k))
@@ -277,7 +277,7 @@ def test_every_verify_width_matches_the_reference_round(reference_pair, relay):
 def test_verify_width_per_batch_bucket(reference_pair):
     target, drafter = reference_pair
     config = RuntimeConfig(max_batch=4, max_len=96, batch_buckets=(1, 4), verify_width={1: 3},
-                           backend="compile", compile_backend="aot_eager")
+                           mode="compile", compiler="aot_eager")
     rt = Runtime(target, drafter, config)
     assert rt.plan.widths == {1: 3, 4: 16}
     prompts = [c["prompt_ids"] for c in CASES[:4]]

@@ -24,7 +24,7 @@ def cache(tmp_path, monkeypatch):
 
 
 def config(**kw) -> RuntimeConfig:
-    return RuntimeConfig(max_batch=1, max_len=128, length_buckets=(64,), backend="compile", verify_width=4, **kw)
+    return RuntimeConfig(max_batch=1, max_len=128, length_buckets=(64,), mode="compile", verify_width=4, **kw)
 
 
 def test_cached_rounds_decode_the_same_tokens_and_a_corrupt_entry_is_rebuilt(reference_pair, cache, capsys):

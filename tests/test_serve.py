@@ -62,7 +62,7 @@ def subprocess_server(tmp_path_factory):
     port, log = free_port(), tmp_path_factory.mktemp("serve") / "stderr.txt"
     with open(log, "wb") as err:
         proc = subprocess.Popen([sys.executable, "-m", "dflow_rt.cli", "serve", "--port", str(port), "--max-batch",
-                                 "2", "--max-queue", "1", "--max-len", "512", "--backend", "eager", "--log-level",
+                                 "2", "--max-queue", "1", "--max-len", "512", "--mode", "eager", "--log-level",
                                  "warning", "--shutdown-grace", "0.5"], stdout=subprocess.DEVNULL, stderr=err)
     proc.log = log
     yield proc, f"http://127.0.0.1:{port}"

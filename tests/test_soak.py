@@ -16,7 +16,7 @@ def bundled():
 
 
 def test_soak_500_rounds(bundled):
-    result = run_soak(*bundled, rounds=500, backend="eager", max_batch=4, max_len=256, n_prompts=6,
+    result = run_soak(*bundled, rounds=500, mode="eager", max_batch=4, max_len=256, n_prompts=6,
                       max_new=(8, 24, 48), progress=False)
     assert result["requests"] > 50 and result["cancelled"] > 0 and result["bad"] > 50
     assert result["exact_fraction"] == 1.0 and result["failed"] == 0, result["mismatches"]

@@ -48,7 +48,8 @@ def cmd_autotune(args: argparse.Namespace) -> None:
     prompts = suite_prompts(load_tokenizer(target_path), "code", settings["prompts"], max_prompt_tokens=128)
     name = device_name(device)
     if device.type == "cuda":
-        print("autotune: the Triton kernels expose no launch configs (block sizes are fixed): tuning their backend")
+        print("autotune: the Triton kernels expose no launch configs (block sizes are fixed): tuning which ops "
+              "they serve")
     tuner = Tuner(load, prompts, args.batches, default, default_axes(args.quick, device.type == "cuda", default,
                                                                          block, cores),
                   max_new=settings["max_new_tokens"], repeats=settings["repeats"],
@@ -59,7 +60,7 @@ def cmd_autotune(args: argparse.Namespace) -> None:
              "kept_default": result.kept_default, "date": time.strftime("%Y-%m-%d %H:%M"),
              "torch": torch.__version__, "machine": {"device": name, "platform": platform.platform(),
                                                       "python": platform.python_version()},
-             "mode": "quick" if args.quick else "full", "batches": sorted(args.batches), **settings,
+             "search": "quick" if args.quick else "full", "batches": sorted(args.batches), **settings,
              "seconds": result.seconds, "trials": result.trials}
     path = store(entry, entry_key(target_path, drafter_path), name, args.out)
     if args.json:
@@ -67,7 +68,7 @@ def cmd_autotune(args: argparse.Namespace) -> None:
         return
     knobs = entry["knobs"][result.tuned.dtype]
     print(f"{name}: {entry['target']} + {entry['drafter']}, {'default kept' if result.kept_default else 'tuned'}: "
-          f"dtype {result.tuned.dtype}, backend {knobs['backend']}, threads {knobs['threads']}, "
+          f"dtype {result.tuned.dtype}, mode {knobs['mode']}, threads {knobs['threads']}, "
           f"length step {knobs['length_step'] or 'default'}")
     print("| batch | verify width | default tokens/s | tuned tokens/s | speedup | noise |\n|---|---|---|---|---|---|")
     for n, b in knobs["buckets"].items():
@@ -82,7 +83,7 @@ def add_autotune_parser(subparsers) -> argparse.ArgumentParser:
                                                "lossless ones for RuntimeConfig(tuned=True)")
     p.add_argument("--quick", action="store_true",
                    help="screen every knob in eager mode, then try compiling once (minutes); default: the full "
-                        "search, every knob measured on the winning backend (a compile per candidate)")
+                        "search, every knob measured in the winning mode (a compile per candidate)")
     p.add_argument("--target", default=None, help="a target directory, or smollm2 (fetched) [the bundled target]")
     p.add_argument("--drafter", default=None,
                    help="dflash, dflow (bundled), a drafter directory, or none [dflash with the bundled target, "

@@ -1,6 +1,6 @@
 """The search behind `dflow-rt autotune`: which runtime knobs decode fastest on this machine, losslessly.
 
-Coordinate descent: one axis at a time (backend, dtype, verify width per batch bucket, threads,
+Coordinate descent: one axis at a time (mode, dtype, verify width per batch bucket, threads,
 length-bucket spacing, kernels), every candidate differing from the incumbent on that axis only.
 A candidate is first decoded once on every prompt group (its warm-up) and must emit exactly the
 reference tokens: the untuned default's in the default dtype, the target's own greedy decoding in
@@ -42,7 +42,7 @@ def wall_timer(point: TunedConfig, rows: int, run: Callable[[], int]) -> tuple[i
 
 @dataclass(frozen=True)
 class Axis:
-    """One knob (a TunedConfig field) and the values to try, or knobs tried jointly ("backend+dtype",
+    """One knob (a TunedConfig field) and the values to try, or knobs tried jointly ("mode+dtype",
     tuple values). A per-bucket axis (the verify width) is chosen per batch bucket: each candidate
     runtime gives every bucket another value, so all values are tried in as many runtimes (compiles)
     as there are values."""
@@ -121,7 +121,7 @@ class Result:
         """The tuned knobs of one dtype as the tuned file stores them (what `configs.load_tuned` reads)."""
         t = self.tuned
         widths = dict(t.verify_width)
-        knobs: dict = {"backend": t.backend, "threads": t.threads, "length_step": t.length_step}
+        knobs: dict = {"mode": t.mode, "threads": t.threads, "length_step": t.length_step}
         if t.kernels is not None:
             knobs["kernels"] = t.kernels
         knobs["buckets"] = {str(n): {
@@ -140,7 +140,7 @@ class Tuner:
     tokens per prompt, its first step (admission, prefill, first round) untimed. Each comparison
     takes `repeats` paired decodes per batch bucket, cycling through the prompt groups. Once
     `budget_s` seconds have passed, candidates are skipped, except on the last axis: quick mode
-    puts the backend there, whose compiles are worth more than any other axis.
+    puts the mode there, whose compiles are worth more than any other axis.
     """
 
     def __init__(self, load: Loader, prompts: list[list[int]], batches: Sequence[int], default: TunedConfig,
@@ -282,9 +282,9 @@ class Tuner:
 
 def default_axes(quick: bool, cuda: bool, default: TunedConfig, block_size: int, cores: int) -> list[Axis]:
     """The axes to search, in order. Quick mode screens every axis in eager mode (cheap builds) and tries
-    the compiled backends last on the screened knobs, jointly with the dtype: a compiled round may round
+    the compiled modes last on the screened knobs, jointly with the dtype: a compiled round may round
     differently (inductor fuses bf16 ops in float32), so a dtype lossless in eager may not be compiled.
-    The full search settles the backend first, so every later axis is measured as it will run (one
+    The full search settles the mode first, so every later axis is measured as it will run (one
     compile per candidate)."""
     dtypes = tuple(dict.fromkeys((default.dtype, "float32", "bfloat16")))
     axes = [Axis("dtype", dtypes)]
@@ -296,7 +296,7 @@ def default_axes(quick: bool, cuda: bool, default: TunedConfig, block_size: int,
     axes.append(Axis("length_step", (128,) if quick else (32, 128, 256)))
     if cuda:
         axes.append(Axis("kernels", ("torch", "triton")))
-    backends = ("compile", "cudagraph") if cuda else ("compile",)
+    compiled = ("compile", "cudagraph") if cuda else ("compile",)
     if quick:
-        return axes + [Axis("backend+dtype", tuple((b, d) for b in backends for d in dtypes))]
-    return [Axis("backend", ("eager", *backends))] + axes
+        return axes + [Axis("mode+dtype", tuple((m, d) for m in compiled for d in dtypes))]
+    return [Axis("mode", ("eager", *compiled))] + axes

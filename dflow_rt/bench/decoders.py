@@ -34,12 +34,12 @@ class Run:
 Runner = Callable[[list[list[int]], int], Run]  # (prompts of one group, max_new_tokens) -> Run
 
 
-def runtime_runner(target, drafter, backend: str, batch: int, max_len: int, stops: Sequence[int],
-                   verify_width: int | None = None, compile_backend: str = "inductor") -> Runner:
+def runtime_runner(target, drafter, mode: str, batch: int, max_len: int, stops: Sequence[int],
+                   verify_width: int | None = None, compiler: str = "inductor") -> Runner:
     """A Runtime with exactly one batch bucket, built (and compiled) now, so that building is
     never timed; a call admits its prompts together, as a server would admit a full batch."""
-    config = RuntimeConfig(max_batch=batch, max_len=max_len, backend=backend, batch_buckets=(batch,),
-                           verify_width=verify_width, compile_backend=compile_backend, tuned=False)
+    config = RuntimeConfig(max_batch=batch, max_len=max_len, mode=mode, batch_buckets=(batch,),
+                           verify_width=verify_width, compiler=compiler, tuned=False)
     rt = Runtime(target, drafter, config)
 
     def run(prompts: list[list[int]], max_new: int) -> Run:

@@ -2,7 +2,7 @@
 
 Per target: transformers `generate()` greedy and with prompt lookup (float32, batch 1), our
 reference loop with each drafter, and the Runtime autoregressively and with each drafter for
-every backend, batch size and dtype. The drafted Runtime rows verify the k that decoded fastest
+every mode, batch size and dtype. The drafted Runtime rows verify the k that decoded fastest
 in a quick sweep (eager, float32, two prompts). Every method is built (and compiled) before
 timing starts and warmed up once; then the methods take turns per group of prompts, the order
 rotating, so that load drift on a shared machine reaches all alike, and the figures are medians
@@ -43,7 +43,7 @@ class Method:
     """One row of the table: a decoder in one configuration, and what each of its calls produced."""
 
     name: str  # hf_generate, hf_prompt_lookup, reference, ar, or the drafter's label
-    backend: str
+    mode: str
     batch: int
     dtype: str
     run: Runner = field(repr=False)
@@ -53,7 +53,7 @@ class Method:
 
 
 def add_e2e_args(p: argparse.ArgumentParser) -> None:
-    """Flags of `bench --suite e2e` beyond the bench's own (--target, --backends, --batches, --json ...)."""
+    """Flags of `bench --suite e2e` beyond the bench's own (--target, --modes, --batches, --json ...)."""
     p.add_argument("--targets", nargs="+", default=None, metavar="TARGET",
                    help="e2e: bundled, smollm2 (fetched) or directories [--target, else bundled]")
     p.add_argument("--drafters", nargs="+", default=None, metavar="DRAFTER",
@@ -69,7 +69,7 @@ def add_e2e_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-lookup", type=int, default=10, help="e2e: transformers' prompt_lookup_num_tokens")
     p.add_argument("--prompt-ids", default=None, metavar="FILE",
                    help="e2e: JSON list of token-id lists, instead of HumanEval (targets without a tokenizer)")
-    p.add_argument("--compile-backend", default="inductor", help="e2e: torch.compile backend of `compile` rows")
+    p.add_argument("--compiler", default="inductor", help="e2e: torch.compile's backend for `compile` rows")
     p.add_argument("--plots", default=None, metavar="DIR", help="e2e: write PNG plots there (needs matplotlib)")
 
 
@@ -80,21 +80,21 @@ def run_e2e(args: argparse.Namespace) -> dict:
     if "bfloat16" in dtypes and not bf16_matmul(device):
         dtypes.remove("bfloat16")
         notes.append(f"bfloat16 skipped: {device.type} reports no bf16 matmul")
-    backends = args.backends or ["eager", "compile"] + (["cudagraph"] if device.type == "cuda" else [])
+    modes = args.modes or ["eager", "compile"] + (["cudagraph"] if device.type == "cuda" else [])
     # one thread on CPU unless --threads: with another job on the second core, two threads
     # decode SmolLM2 about 3x slower here, as every op waits for the busier core
     torch.set_num_threads(args.threads or (1 if device.type == "cpu" else torch.get_num_threads()))
     # every compiled Runtime adds graphs to the one compiled round function's cache
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
-    settings = {"prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "backends": backends,
+    settings = {"prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "modes": modes,
                 "batches": args.batches, "dtypes": dtypes, "verify_widths": args.verify_widths,
-                "prompt_lookup": args.prompt_lookup, "compile_backend": args.compile_backend,
+                "prompt_lookup": args.prompt_lookup, "compiler": args.compiler,
                 "threads": torch.get_num_threads(), "timing": "medians over calls; decode tokens/s = tokens after "
                 "the first emission / time after it; speedup = ratio of those medians"}
     result = {"suite": "e2e", "machine": machine(device), "settings": settings, "notes": notes, "rows": [],
               "targets": {}}
     for spec in args.targets or [args.target or "bundled"]:
-        rows, info = bench_target(spec, args, device, backends, dtypes, notes)
+        rows, info = bench_target(spec, args, device, modes, dtypes, notes)
         result["rows"] += rows
         result["targets"][spec] = info
         gc.collect()  # the last target's models and Runtimes, before the next target loads
@@ -122,7 +122,7 @@ def run_e2e(args: argparse.Namespace) -> dict:
     return result
 
 
-def bench_target(spec: str, args, device: torch.device, backends: list[str], dtypes: list[str],
+def bench_target(spec: str, args, device: torch.device, modes: list[str], dtypes: list[str],
                  notes: list[str]) -> tuple[list[dict], dict]:
     """Every method on one target: build all, sweep k, warm up, measure interleaved, summarise."""
     from dflow_rt.models.bundled import bundled_targets, target_dir
@@ -153,15 +153,15 @@ def bench_target(spec: str, args, device: torch.device, backends: list[str], dty
     sweep_dtype = "float32" if "float32" in dtypes else dtypes[0]
     widths = sweep_widths(spec, targets[sweep_dtype], drafters[sweep_dtype], args, prompts, max_len, stops)
     seconds["sweep"] = lap()
-    builds = [(d, b, n) for d in dtypes for b in backends for n in sorted(args.batches)]
-    for dtype, backend, batch in tqdm(builds, desc=f"{spec}: building", leave=False):
+    builds = [(d, b, n) for d in dtypes for b in modes for n in sorted(args.batches)]
+    for dtype, mode, batch in tqdm(builds, desc=f"{spec}: building", leave=False):
         target = targets[dtype]
-        methods.append(Method("ar", backend, batch, dtype, runtime_runner(
-            target, None, backend, batch, max_len, stops, compile_backend=args.compile_backend)))
+        methods.append(Method("ar", mode, batch, dtype, runtime_runner(
+            target, None, mode, batch, max_len, stops, compiler=args.compiler)))
         for name, drafter in drafters.get(dtype, {}).items():
             k = best_width(widths[name][batch])
-            methods.append(Method(name, backend, batch, dtype, runtime_runner(
-                target, drafter, backend, batch, max_len, stops, k, args.compile_backend), name, k))
+            methods.append(Method(name, mode, batch, dtype, runtime_runner(
+                target, drafter, mode, batch, max_len, stops, k, args.compiler), name, k))
     for dtype in dtypes:
         for name, drafter in drafters.get(dtype, {}).items():
             methods.append(Method("reference", "eager", 1, dtype, reference_runner(targets[dtype], drafter, stops),
@@ -255,7 +255,7 @@ def median_tokens_per_s(m: Method) -> float:
 
 def summarize(methods: list[Method], spec: str) -> list[dict]:
     """One row per method; identity against the first AR method of its dtype, speedups as ratios of
-    the medians against transformers generate and against our AR at the same backend, batch, dtype."""
+    the medians against transformers generate and against our AR at the same mode, batch, dtype."""
     ars = [m for m in methods if m.name == "ar"]
     reference = {m.dtype: m for m in reversed(ars)}  # the first AR method of each dtype
     rows = []
@@ -264,7 +264,7 @@ def summarize(methods: list[Method], spec: str) -> list[dict]:
                                                                                        strict=True)}
         truth = {i: out for chunk, r in reference[m.dtype].calls for i, out in zip(chunk, r.outputs, strict=True)}
         rounds = [a for _, acc in per_prompt.values() for a in acc]
-        rows.append({"target": spec, "method": m.name, "drafter": m.drafter, "backend": m.backend, "batch": m.batch,
+        rows.append({"target": spec, "method": m.name, "drafter": m.drafter, "mode": m.mode, "batch": m.batch,
                      "dtype": m.dtype, "k": m.k, "prompts": len(per_prompt), "calls": len(m.calls),
                      "tau": statistics.mean([statistics.mean(acc) for _, acc in per_prompt.values() if acc] or [1]),
                      "tokens_per_s": median_tokens_per_s(m),
@@ -274,9 +274,9 @@ def summarize(methods: list[Method], spec: str) -> list[dict]:
                      "tokens": sum(len(out) for out, _ in per_prompt.values())})
     hf = next((r for r in rows if r["method"] == "hf_generate"), None)
     for r, m in zip(rows, methods, strict=True):
-        ar = next((a for a in ars if (a.backend, a.batch, a.dtype) == (m.backend, m.batch, m.dtype)),
+        ar = next((a for a in ars if (a.mode, a.batch, a.dtype) == (m.mode, m.batch, m.dtype)),
                   reference[m.dtype])
         r["speedup_vs_hf"] = r["tokens_per_s"] / hf["tokens_per_s"] if hf else None
         r["speedup_vs_ar"] = r["tokens_per_s"] / rows[methods.index(ar)]["tokens_per_s"]
-        r["ar_baseline"] = {"backend": ar.backend, "batch": ar.batch, "dtype": ar.dtype}
+        r["ar_baseline"] = {"mode": ar.mode, "batch": ar.batch, "dtype": ar.dtype}
     return rows

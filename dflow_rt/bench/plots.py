@@ -32,7 +32,7 @@ def write_plots(result: dict, out_dir: Path, stem: str) -> list[Path]:
     paths = [out_dir / f"{stem}_{name}.png" for name in ("acceptance", "tokens_per_s", "speedup")]
     _acceptance(by_target, caption, paths[0])
     _bars(by_target, "tokens_per_s", "decode tokens/s (median over calls)", caption, paths[1], None)
-    _bars(by_target, "speedup_vs_ar", "decode speedup over our AR at the same backend, batch and dtype "
+    _bars(by_target, "speedup_vs_ar", "decode speedup over our AR at the same mode, batch and dtype "
           "(transformers and reference rows: over AR eager b1)", caption, paths[2], 1.0)
     return paths
 
@@ -72,7 +72,7 @@ def _bars(by_target: dict[str, list[dict]], key: str, xlabel: str, caption: str,
 
 def _acceptance(by_target: dict[str, list[dict]], caption: str, path: Path) -> None:
     """Share of rounds emitting 1..B tokens per drafting method, from its first batch-1 row per
-    verify width (acceptance hardly depends on backend or dtype); the legend gives each tau."""
+    verify width (acceptance hardly depends on mode or dtype); the legend gives each tau."""
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(len(by_target), 1, figsize=(10, 3.2 * len(by_target)), squeeze=False)
@@ -91,7 +91,7 @@ def _acceptance(by_target: dict[str, list[dict]], caption: str, path: Path) -> N
         for j, r in enumerate(shown):
             counts = r["acceptance_histogram"]
             total = sum(counts)
-            name = " ".join(w for w in label(r).split() if w not in (r["backend"], "b1"))
+            name = " ".join(w for w in label(r).split() if w not in (r["mode"], "b1"))
             ax.bar([a + 1 + (j - (len(shown) - 1) / 2) * width for a in range(len(counts))],
                    [c / total for c in counts], width, label=f"{name} (tau {r['tau']:.2f})")
         ax.set_xticks(range(1, max(len(r["acceptance_histogram"]) for r in shown) + 1))

@@ -19,8 +19,8 @@ def label(r: dict) -> str:
         return name
     dtype = {"float32": "fp32", "bfloat16": "bf16"}[r["dtype"]]
     width = f" k{r['k']}" if r["k"] is not None and r["method"] != "reference" else ""
-    backend = "" if r["method"] == "reference" else f" {r['backend']}"
-    return f"{name}{backend} b{r['batch']} {dtype}{width}"
+    mode = "" if r["method"] == "reference" else f" {r['mode']}"
+    return f"{name}{mode} b{r['batch']} {dtype}{width}"
 
 
 def format_table(result: dict) -> str:

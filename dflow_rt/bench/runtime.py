@@ -1,10 +1,10 @@
-"""`dflow-rt bench --suite runtime`: decode speed of Runtime.step() per backend and batch size.
+"""`dflow-rt bench --suite runtime`: decode speed of Runtime.step() per mode and batch size.
 
 Two passes per configuration on identical requests:
 1. end to end: `step()` wall time (median step), split into the round itself and host work
    (admission excluded: requests are admitted before timing starts), and tokens/s;
 2. phases: the round's own draft, verify and accept+carry phases (`batched_round`, with the
-   Runtime's kernels) run (and, for compiled backends, compiled) separately on a second Runtime,
+   Runtime's kernels) run (and, for compiled modes, compiled) separately on a second Runtime,
    to show where a round's time goes (medians).
 """
 
@@ -30,9 +30,9 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _runtime(target, drafter, backend: str, batch: int, prompts, max_new: int, width: int | None) -> Runtime:
+def _runtime(target, drafter, mode: str, batch: int, prompts, max_new: int, width: int | None) -> Runtime:
     max_len = max(len(p) for p in prompts) + max_new + 2 * (drafter.block_size if drafter else 1)
-    rt = Runtime(target, drafter, RuntimeConfig(max_batch=batch, max_len=max_len, backend=backend,
+    rt = Runtime(target, drafter, RuntimeConfig(max_batch=batch, max_len=max_len, mode=mode,
                                                 batch_buckets=(batch,), verify_width=width, tuned=False))
     for p in prompts[:batch]:
         rt.add_request(p, max_new_tokens=max_new)
@@ -42,7 +42,7 @@ def _runtime(target, drafter, backend: str, batch: int, prompts, max_new: int, w
 
 def end_to_end(target, drafter, configs: list[tuple[str, int]], prompts, rounds: int, width: int | None = None,
                chunk: int = 5) -> list[dict]:
-    """`step()` timings of every (backend, batch) configuration, interleaved.
+    """`step()` timings of every (mode, batch) configuration, interleaved.
 
     All Runtimes are built (and compiled) first; then each runs `chunk` steps in turn until
     each has run `rounds`, so that slow drift in the machine's load (a shared VM's steal
@@ -50,8 +50,8 @@ def end_to_end(target, drafter, configs: list[tuple[str, int]], prompts, rounds:
     the median step: one preempted step moves a mean, not a median.
     """
     runtimes, timers = [], []
-    for backend, batch in configs:
-        rt = _runtime(target, drafter, backend, batch, prompts, rounds * 20, width)
+    for mode, batch in configs:
+        rt = _runtime(target, drafter, mode, batch, prompts, rounds * 20, width)
         device, spent = rt.state.tokens.device, [0.0]
 
         def timed(inner, spent=spent, device=device) -> Callable[[], None]:
@@ -87,12 +87,12 @@ def end_to_end(target, drafter, configs: list[tuple[str, int]], prompts, rounds:
     return rows
 
 
-def phases(target, drafter, backend: str, batch: int, prompts, rounds: int, width: int | None = None) -> dict:
+def phases(target, drafter, mode: str, batch: int, prompts, rounds: int, width: int | None = None) -> dict:
     """Median milliseconds of each phase of the round that runs (`batched_round.draft`, `verify` and
     `commit` with the Runtime's own plan: its kernels, the mask exclusion, the fault column), run
     apart on a second Runtime's state over the bucket `step()` would pick, greedy as the bench's
     requests are. Compiled modes compile each phase alone (`cudagraph` too: compiled, not captured)."""
-    rt = _runtime(target, drafter, backend, batch, prompts, rounds * 20, width)
+    rt = _runtime(target, drafter, mode, batch, prompts, rounds * 20, width)
     plan, device = rt.plan, rt.state.tokens.device
     views = {L: rt.state.view(batch, L) for L in plan.lengths}
     fns = {"draft": functools.partial(batched_round.draft, target, drafter, plan=plan, width=plan.widths[batch]),
@@ -101,7 +101,7 @@ def phases(target, drafter, backend: str, batch: int, prompts, rounds: int, widt
     if plan.mode != "eager":
         for view in views.values():
             mark_length_dynamic(view)
-        # each phase compiles once per (backend, batch) configuration of the run, all in one process
+        # each phase compiles once per (mode, batch) configuration of the run, all in one process
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         fns = {k: compile_static(f, plan.compiler) for k, f in fns.items()}
     spent: dict[str, list[float]] = {k: [] for k in fns}
@@ -133,16 +133,16 @@ def phases(target, drafter, backend: str, batch: int, prompts, rounds: int, widt
     return {f"{k}_ms": 1e3 * statistics.median(v) for k, v in spent.items()}
 
 
-def bench_runtime(target, drafter, prompts: list[list[int]], backends: list[str], batches: list[int],
+def bench_runtime(target, drafter, prompts: list[list[int]], modes: list[str], batches: list[int],
                   rounds: int, width: int | None = None) -> dict:
-    """Figures for every (backend, batch) pair, plus the machine they were measured on; the target
+    """Figures for every (mode, batch) pair, plus the machine they were measured on; the target
     verifies the first `width` drafted positions (default all)."""
     device = target.lm_head.weight.device
-    configs = [(backend, batch) for backend in backends for batch in batches]
+    configs = [(mode, batch) for mode in modes for batch in batches]
     with torch.inference_mode():
         rows = end_to_end(target, drafter, configs, prompts, rounds, width)
-    for (backend, batch), row in zip(tqdm(configs, desc="phases"), rows, strict=True):
-        row |= {"backend": backend, "batch": batch} | phases(target, drafter, backend, batch, prompts, rounds, width)
+    for (mode, batch), row in zip(tqdm(configs, desc="phases"), rows, strict=True):
+        row |= {"mode": mode, "batch": batch} | phases(target, drafter, mode, batch, prompts, rounds, width)
     return {"suite": "runtime", "rows": rows, "rounds": rounds,
             "machine": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
             or platform.machine(), "threads": torch.get_num_threads(), "torch": torch.__version__,
@@ -150,10 +150,10 @@ def bench_runtime(target, drafter, prompts: list[list[int]], backends: list[str]
 
 
 def format_table(result: dict) -> str:
-    head = "| backend | batch | tokens/s | round ms | draft ms | verify ms | accept+carry ms | host ms | host % |"
+    head = "| mode | batch | tokens/s | round ms | draft ms | verify ms | accept+carry ms | host ms | host % |"
     lines = [head, "|" + "---|" * 9]
     for r in result["rows"]:
-        lines.append(f"| {r['backend']} | {r['batch']} | {r['tokens_per_s']:.1f} | {r['round_ms']:.2f} | "
+        lines.append(f"| {r['mode']} | {r['batch']} | {r['tokens_per_s']:.1f} | {r['round_ms']:.2f} | "
                      f"{r['draft_ms']:.2f} | {r['verify_ms']:.2f} | {r['commit_ms']:.2f} | {r['host_ms']:.2f} | "
                      f"{100 * r['host_frac']:.1f} |")
     return "\n".join(lines)

@@ -29,7 +29,7 @@ from dflow_rt.errors import DflowError
 
 
 def add_serve_bench_args(p: argparse.ArgumentParser) -> None:
-    """Flags of `bench --suite serve` beyond the bench's own (--target, --drafter, --backends, --threads,
+    """Flags of `bench --suite serve` beyond the bench's own (--target, --drafter, --modes, --threads,
     --max-new-tokens, --prompts, --json)."""
     p.add_argument("--clients", type=int, default=16,
                    help="serve: concurrent clients, and the server's --max-batch; the first max(--prompts, --clients) "
@@ -146,9 +146,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(args: argparse.Namespace, drafter: str, backend: str, port: int) -> subprocess.Popen:
+def start_server(args: argparse.Namespace, drafter: str, mode: str, port: int) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "dflow_rt.cli", "serve", "--port", str(port), "--drafter", drafter,
-           "--backend", backend, "--max-batch", str(args.clients), "--max-queue", str(args.requests),
+           "--mode", mode, "--max-batch", str(args.clients), "--max-queue", str(args.requests),
            "--log-level", "warning"]
     for flag, value in (("--target", args.target), ("--threads", args.threads), ("--device", args.device),
                         ("--max-prefill-tokens", args.max_prefill_tokens)):
@@ -158,7 +158,7 @@ def start_server(args: argparse.Namespace, drafter: str, backend: str, port: int
 
 
 def wait_ready(proc: subprocess.Popen, url: str, timeout_s: float = 600.0) -> str:
-    """The served model's name once /health answers (compile backends take minutes to build)."""
+    """The served model's name once /health answers (compile modes take minutes to build)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -181,17 +181,17 @@ def run_serve_bench(args: argparse.Namespace) -> dict:
     if args.clients < 1 or args.requests < 1:
         raise DflowError("--clients and --requests must be >= 1")
     drafters = list(dict.fromkeys([args.drafter or ("dflash" if args.target is None else "none"), "none"]))
-    backend = (args.backends or ["eager"])[0]
+    mode = (args.modes or ["eager"])[0]
     prompts = suite_texts("code", max(args.prompts, args.clients))
     settings = {"clients": args.clients, "requests": args.requests, "max_tokens": args.max_new_tokens,
-                "prompts": len(prompts), "backend": backend, "target": args.target or "bundled",
+                "prompts": len(prompts), "mode": mode, "target": args.target or "bundled",
                 "threads": args.threads, "max_prefill_tokens": args.max_prefill_tokens,
                 "sampling": "greedy, streamed, HumanEval prompts"}
     rows = []
     for drafter in drafters:
         port = free_port()
         url = f"http://127.0.0.1:{port}/v1"
-        proc = start_server(args, drafter, backend, port)
+        proc = start_server(args, drafter, mode, port)
         try:
             model = wait_ready(proc, url)
             asyncio.run(load(url, model, prompts, min(args.clients, 2), min(args.requests, 2), 8))  # warm-up
@@ -222,7 +222,7 @@ def format_table(result: dict) -> str:
             ("prefill step", "prefill_step_ms"), ("prefill share", "prefill_steps"), ("rows", "rows_mean"),
             ("ITL p99 / decode step", "itl_p99_over_step"), ("tau", "tau"), ("errors", "errors")]
     lines = [f"serve: {s['clients']} clients, {s['requests']} requests, max_tokens {s['max_tokens']}, "
-             f"{s['target']} target, {s['backend']} backend (times in ms)",
+             f"{s['target']} target, {s['mode']} mode (times in ms)",
              "| " + " | ".join(c for c, _ in cols) + " |", "|" + "---|" * len(cols)]
     for r in result["rows"]:
         lines.append("| " + " | ".join(str(r.get(k)) for _, k in cols) + " |")

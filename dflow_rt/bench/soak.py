@@ -30,7 +30,7 @@ from torch._dynamo.utils import counters
 from tqdm import tqdm
 
 import dflow_rt
-from dflow_rt.config import BACKENDS, RuntimeConfig
+from dflow_rt.config import MODES, RuntimeConfig
 from dflow_rt.errors import DflowError, InputError
 from dflow_rt.requests import cut_at_stop
 from dflow_rt.runtime import Runtime
@@ -59,7 +59,7 @@ def build_pool(target, drafter, tokenizer, n_prompts: int, max_new: tuple[int, .
     per_suite = -(-n_prompts // 3)
     base = [p for s in ("code", "math", "chat") for p in suite_prompts(tokenizer, s, per_suite)]
     prompts = [p[-LENGTHS[i % len(LENGTHS)]:] for i, p in enumerate(base[:n_prompts])]
-    alone = Runtime(target, drafter, RuntimeConfig(max_batch=1, max_len=max_len, backend="eager",
+    alone = Runtime(target, drafter, RuntimeConfig(max_batch=1, max_len=max_len, mode="eager",
                                                    verify_width=None, tuned=False))
     expected = {}
     for i, p in enumerate(tqdm(prompts, desc="expected outputs", leave=False)):
@@ -102,13 +102,13 @@ def graphs_compiled() -> int:
     return counters["stats"]["unique_graphs"]
 
 
-def run_soak(target, drafter, tokenizer, rounds: int = 10_000, backend: str = "eager", max_batch: int = 4,
+def run_soak(target, drafter, tokenizer, rounds: int = 10_000, mode: str = "eager", max_batch: int = 4,
              max_len: int = 512, n_prompts: int = 24, max_new: tuple[int, ...] = (8, 32, 96, 160), seed: int = 0,
              progress: bool = True) -> dict:
     """Run `rounds` steps under churn and return the figures (see the module docstring)."""
     rng = random.Random(seed)
     pool = build_pool(target, drafter, tokenizer, n_prompts, max_new, max_len)
-    rt = Runtime(target, drafter, RuntimeConfig(max_batch=max_batch, max_len=max_len, backend=backend,
+    rt = Runtime(target, drafter, RuntimeConfig(max_batch=max_batch, max_len=max_len, mode=mode,
                                                 verify_width=None, tuned=False))
     graphs, bad = graphs_compiled(), bad_requests(target.config.vocab_size, max_len)
     meta: dict[int, tuple] = {}  # rid -> (prompt, setting, max_new, stop kind)
@@ -127,7 +127,7 @@ def run_soak(target, drafter, tokenizer, rounds: int = 10_000, backend: str = "e
             tally["mismatches"].append({"prompt": i, "sampling": j, "max_new": n, "stop": s, "cancelled": cancelled})
 
     warmup = max(rounds // 10, 1)
-    for r in tqdm(range(rounds), desc=f"soak ({backend})", disable=not progress, mininterval=2):
+    for r in tqdm(range(rounds), desc=f"soak ({mode})", disable=not progress, mininterval=2):
         if r == warmup:
             gc.collect()
             warm_rss = rss_bytes()
@@ -169,7 +169,7 @@ def run_soak(target, drafter, tokenizer, rounds: int = 10_000, backend: str = "e
     done = tally["finished"] + tally["cancelled"]
     windows = [round(n / s, 2) if s else 0.0 for n, s in zip(window_rounds, step_s, strict=True)]
     result = {
-        "rounds": rounds, "backend": backend, "max_batch": max_batch, "max_len": max_len,
+        "rounds": rounds, "mode": mode, "max_batch": max_batch, "max_len": max_len,
         "rss_after_warmup_mib": round(warm_rss / 2**20, 1), "rss_end_mib": round(end_rss / 2**20, 1),
         "rss_growth": round(end_rss / warm_rss - 1, 4) if warm_rss else 0.0,
         "recompiles": graphs_compiled() - graphs, "requests": done, **tally,
@@ -199,7 +199,7 @@ def cmd_soak(args: argparse.Namespace) -> None:
     args.drafter, args.target = args.drafter or "dflash", None
     target, drafter, tokenizer = load_models(args.target, args.drafter, args.device, args.threads)
     t0 = time.perf_counter()
-    result = run_soak(target, drafter, tokenizer, args.rounds, args.backend, args.max_batch, args.max_len,
+    result = run_soak(target, drafter, tokenizer, args.rounds, args.mode, args.max_batch, args.max_len,
                       args.prompts, seed=args.seed)
     result |= {"drafter": args.drafter, "machine": machine(), "threads": torch.get_num_threads(),
                "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "wall_s": round(time.perf_counter() - t0)}
@@ -216,7 +216,7 @@ def add_soak_parser(subparsers) -> None:
     """Register `dflow-rt soak` on the CLI's subparsers."""
     s = subparsers.add_parser("soak", help="a long Runtime run under churn: memory, recompiles, exactness, speed")
     s.add_argument("--rounds", type=int, default=10_000)
-    s.add_argument("--backend", choices=BACKENDS, default="compile")
+    s.add_argument("--mode", choices=MODES, default="compile")
     s.add_argument("--drafter", default=None, help="dflash or dflow (bundled) or a drafter directory [dflash]")
     s.add_argument("--max-batch", type=int, default=4)
     s.add_argument("--max-len", type=int, default=512)

@@ -1,6 +1,6 @@
 """tau on held-out prompts: mean acceptance length per round, counting the bonus token.
 
-Prompts run through `Runtime` (eager backend, several requests per round). Greedy rounds are
+Prompts run through `Runtime` (eager mode, several requests per round). Greedy rounds are
 token-for-token those of the batch-1 reference round, and sampling draws from a per-prompt
 seed with a counter-based RNG, so every drafter sees the same prompts and, at any
 temperature, emits the same text: per-prompt differences between drafters are paired.
@@ -80,7 +80,7 @@ def measure_tau(target, drafter, prompts: list[list[int]], suite: str = "", temp
     from tqdm import tqdm
 
     max_len = max(map(len, prompts)) + max_new_tokens + drafter.block_size
-    rt = Runtime(target, drafter, RuntimeConfig(max_batch=batch, max_len=max_len, backend="eager",
+    rt = Runtime(target, drafter, RuntimeConfig(max_batch=batch, max_len=max_len, mode="eager",
                                                 verify_width=None, tuned=False))
     rids = [rt.add_request(p, max_new_tokens=max_new_tokens, temperature=temperature, stop_token_ids=stop_token_ids,
                            seed=prompt_seed(suite, i)) for i, p in enumerate(prompts)]

@@ -40,7 +40,7 @@ def draft(target, drafter, s: DecodeState, plan: RoundPlan, width: int | None = 
 
 def _fused(plan: RoundPlan, op: str):
     """The kernel serving `op`, or None where the round's own torch code serves it."""
-    return None if plan.kernels.backends[op] == "torch" else getattr(plan.kernels, op)
+    return None if plan.kernels.implementations[op] == "torch" else getattr(plan.kernels, op)
 
 
 def verify(target, s: DecodeState, block: torch.Tensor, plan: RoundPlan, greedy: bool = False):

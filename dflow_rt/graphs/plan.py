@@ -16,7 +16,7 @@ from dflow_rt.sampling import excluded_token
 
 @dataclass(frozen=True)
 class RoundPlan:
-    mode: str  # eager, compile or cudagraph (RuntimeConfig.backend, resolved)
+    mode: str  # eager, compile or cudagraph (RuntimeConfig.mode, resolved)
     compiler: str  # torch.compile's backend for the compiled modes
     freeze: bool  # weights folded into compiled rounds as constants (`runner.compiling`)
     rows: tuple[int, ...]  # batch buckets: a round runs the first `rows` rows of the state
@@ -35,7 +35,7 @@ class RoundPlan:
         lengths = c.lengths()
         if min(lengths) <= block_size or max(lengths) > c.max_len:  # (batch buckets: limits.check_config)
             raise InputError(f"length_buckets must lie in {block_size + 1}..max_len ({c.max_len}), got {lengths}")
-        return cls(mode=c.backend, compiler=c.compile_backend, freeze=c.freeze, rows=c.buckets(), lengths=lengths,
+        return cls(mode=c.mode, compiler=c.compiler, freeze=c.freeze, rows=c.buckets(), lengths=lengths,
                    widths=c.widths(block_size), block_size=block_size,
                    filler=drafter.config.mask_token_id if drafter is not None else 0,
                    exclude=excluded_token(drafter, c.emit_mask_token),
@@ -47,4 +47,4 @@ class RoundPlan:
         lengths, which the rounds trace as a symbol, so one entry serves every max_len."""
         return {"mode": self.mode, "rows": self.rows, "widths": self.widths, "block_size": self.block_size,
                 "filler": self.filler, "exclude": self.exclude, "layer_ids": self.layer_ids,
-                "kernels": dict(self.kernels.backends)}
+                "kernels": dict(self.kernels.implementations)}

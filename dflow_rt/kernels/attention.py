@@ -19,10 +19,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from dflow_rt.kernels.backend import interpreting, triton_kernel
+from dflow_rt.kernels.selection import interpreting, triton_kernel
 from dflow_rt.models.layers import cache_mask
 
-tl: Any = None  # triton.language, bound on the first launch (backend.triton_kernel)
+tl: Any = None  # triton.language, bound on the first launch (selection.triton_kernel)
 
 
 def attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: torch.Tensor,

@@ -12,11 +12,11 @@ from typing import Any
 
 import torch
 
-from dflow_rt.kernels.backend import triton_kernel
+from dflow_rt.kernels.selection import triton_kernel
 from dflow_rt.models.relay import RelayBuffer
 from dflow_rt.sampling import accept
 
-tl: Any = None  # triton.language, bound on the first launch (backend.triton_kernel)
+tl: Any = None  # triton.language, bound on the first launch (selection.triton_kernel)
 
 
 def commit_torch(block: torch.Tensor, verified: torch.Tensor, features: torch.Tensor | None, tokens: torch.Tensor,

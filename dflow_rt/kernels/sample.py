@@ -22,10 +22,10 @@ from typing import Any
 
 import torch
 
-from dflow_rt.kernels.backend import triton_kernel
+from dflow_rt.kernels.selection import triton_kernel
 from dflow_rt.sampling import sample_from_uniform
 
-tl: Any = None  # triton.language, bound on the first launch (backend.triton_kernel)
+tl: Any = None  # triton.language, bound on the first launch (selection.triton_kernel)
 
 sample_torch = sample_from_uniform
 

@@ -11,7 +11,7 @@ import signal
 import sys
 from pathlib import Path
 
-from dflow_rt.config import BACKENDS
+from dflow_rt.config import MODES
 from dflow_rt.errors import DflowError
 from dflow_rt.launch import add_tuned_args, load_models_from, model_args, runtime_config, tuned_knobs
 
@@ -34,7 +34,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help=f"context per row, prompt + answer + one block [the model's, at most {DEFAULT_MAX_LEN}]")
     s.add_argument("--block-size", type=int, default=None, help="default: the drafter's block size")
     s.add_argument("--verify-width", type=int, default=None, metavar="K", help="as for generate")
-    s.add_argument("--backend", choices=BACKENDS, default=None, help="as for generate [the tuned one, else per device]")
+    s.add_argument("--mode", choices=MODES, default=None, help="as for generate [the tuned one, else per device]")
     s.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help="as for generate")
     add_tuned_args(s)
     s.add_argument("--served-model-name", default=None,
@@ -47,7 +47,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
 
 def build_engine(args: argparse.Namespace):
     """(engine, model name): the models, Runtime and engine that `args` describe (generate's rules
-    for target, drafter, tuned knobs, backend, threads and dtype)."""
+    for target, drafter, tuned knobs, mode, threads and dtype)."""
     from dflow_rt.runtime import Runtime
     from dflow_rt.serve.engine import Engine
     from dflow_rt.tokenizer import stop_token_ids
@@ -86,7 +86,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     app = create_app(engine, name, args.shutdown_grace)
     server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                    timeout_graceful_shutdown=int(args.shutdown_grace) + 5))
-    print(f"dflow-rt: serving {name!r} on http://{args.host}:{args.port}/v1 (backend {engine.rt.config.backend}, "
+    print(f"dflow-rt: serving {name!r} on http://{args.host}:{args.port}/v1 (mode {engine.rt.config.mode}, "
           f"max batch {engine.rt.config.max_batch}, context {engine.max_len})", file=sys.stderr, flush=True)
     # uvicorn re-raises the signal it stopped for once it is done; a no-op handler turns that into a
     # clean exit (status 0) after the drain instead of death by the default handler

@@ -1,6 +1,7 @@
-"""Per-op backend selection: `torch` (the reference), `triton`, or `flashinfer` (attention only).
+"""Which implementation serves each fused op: `torch` (the reference), `triton`, or `flashinfer`
+(attention only).
 
-Nothing here imports triton or flashinfer until a backend that needs them is asked for, so
+Nothing here imports triton or flashinfer until an implementation that needs them is asked for, so
 `import dflow_rt` works on an install without them (the CPU one may lack triton).
 """
 
@@ -17,7 +18,7 @@ import torch
 from dflow_rt.errors import InputError
 
 OPS = ("commit", "sample", "attention")
-BACKENDS = ("torch", "triton", "flashinfer")
+IMPLEMENTATIONS = ("torch", "triton", "flashinfer")
 
 
 @functools.cache
@@ -36,11 +37,11 @@ def interpreting() -> bool:
 
 
 def resolve(op: str, requested: str, device: torch.device | str) -> str:
-    """The backend that serves `op` on `device` when `requested` ("auto" or a backend name).
+    """The implementation that serves `op` on `device` when `requested` ("auto" or an implementation).
 
     auto: flashinfer for the attention on CUDA when it imports, else triton on CUDA when it
     imports, else torch. On CPU, triton runs only when asked for by name under the
-    interpreter. A backend asked for by name that cannot run raises InputError.
+    interpreter. An implementation asked for by name that cannot run raises InputError.
     """
     if op not in OPS:
         raise InputError(f"kernel op must be one of {', '.join(OPS)}, got {op!r}")
@@ -55,32 +56,34 @@ def resolve(op: str, requested: str, device: torch.device | str) -> str:
         if op != "attention":
             raise InputError(f"flashinfer serves only the attention, not {op!r}")
         if not cuda:
-            raise InputError("kernel backend 'flashinfer' needs a CUDA device")
+            raise InputError("kernel implementation 'flashinfer' needs a CUDA device")
         if not importable("flashinfer"):
-            raise InputError("kernel backend 'flashinfer' asked for, but `import flashinfer` fails")
+            raise InputError("kernel implementation 'flashinfer' asked for, but `import flashinfer` fails")
         return requested
     if requested == "triton":
         if not importable("triton"):
-            raise InputError("kernel backend 'triton' asked for, but `import triton` fails: pip install 'triton>=3.5'")
+            raise InputError("kernel implementation 'triton' asked for, but `import triton` fails: "
+                             "pip install 'triton>=3.5'")
         if not cuda and not interpreting():
-            raise InputError("kernel backend 'triton' needs a CUDA device (or TRITON_INTERPRET=1, for tests)")
+            raise InputError("kernel implementation 'triton' needs a CUDA device (or TRITON_INTERPRET=1, for tests)")
         return requested
-    raise InputError(f"kernel backend must be 'auto' or one of {', '.join(BACKENDS)}, got {requested!r}")
+    raise InputError(f"kernel implementation must be 'auto' or one of {', '.join(IMPLEMENTATIONS)}, "
+                     f"got {requested!r}")
 
 
 @dataclass(frozen=True)
 class Kernels:
-    """The resolved function of every op (same signature whatever the backend) and its backend."""
+    """The resolved function of every op (same signature whatever serves it) and its implementation."""
 
-    backends: Mapping[str, str]
+    implementations: Mapping[str, str]
     commit: Callable
     sample: Callable
     attention: Callable
 
 
 def select(spec: str | Mapping[str, str] = "auto", device: torch.device | str = "cpu") -> Kernels:
-    """Resolve a `RuntimeConfig.kernels` spec: one backend name (or "auto") for every op, or a
-    dict op -> backend whose missing ops are "auto"."""
+    """Resolve a `RuntimeConfig.kernels` spec: one implementation (or "auto") for every op, or a
+    dict op -> implementation whose missing ops are "auto"."""
     if isinstance(spec, str):
         requested = dict.fromkeys(OPS, spec)
     else:
@@ -88,35 +91,35 @@ def select(spec: str | Mapping[str, str] = "auto", device: torch.device | str = 
         if unknown:
             raise InputError(f"kernel ops must be among {', '.join(OPS)}, got {sorted(unknown)}")
         requested = {op: spec.get(op, "auto") for op in OPS}
-    backends = {op: resolve(op, requested[op], device) for op in OPS}
-    return Kernels(backends, **{op: load(op, backend) for op, backend in backends.items()})
+    chosen = {op: resolve(op, requested[op], device) for op in OPS}
+    return Kernels(chosen, **{op: load(op, name) for op, name in chosen.items()})
 
 
 def select_for(spec: str | Mapping[str, str], target, drafter) -> Kernels:
     """`select` on the models' device, FlashInfer configured with their attention shapes; where
     FlashInfer cannot serve them (fp32, an odd head size) and the spec said "auto", the next choice."""
     kernels = select(spec, target.lm_head.weight.device)
-    if kernels.backends["attention"] != "flashinfer":
+    if kernels.implementations["attention"] != "flashinfer":
         return kernels
     try:
         kernels.attention.configure_models(target, drafter)
     except ValueError as e:
         if (spec if isinstance(spec, str) else spec.get("attention", "auto")) != "auto":
             raise InputError(str(e)) from e
-        backend = "triton" if importable("triton") else "torch"
-        backends = {**kernels.backends, "attention": backend}
-        return replace(kernels, backends=backends, attention=load("attention", backend))
+        fallback = "triton" if importable("triton") else "torch"
+        chosen = {**kernels.implementations, "attention": fallback}
+        return replace(kernels, implementations=chosen, attention=load("attention", fallback))
     return kernels
 
 
-def load(op: str, backend: str) -> Callable:
-    """The function serving `op` with `backend` (imports its module now; triton at its first launch)."""
-    if backend == "flashinfer":
-        from dflow_rt.kernels.flashinfer_backend import FlashInferAttention
+def load(op: str, implementation: str) -> Callable:
+    """The function serving `op` as `implementation` (imports its module now; triton at its first launch)."""
+    if implementation == "flashinfer":
+        from dflow_rt.kernels.flashinfer_attention import FlashInferAttention
 
         return FlashInferAttention()
     module = importlib.import_module(f"dflow_rt.kernels.{op}")
-    return getattr(module, f"{op}_{backend}")
+    return getattr(module, f"{op}_{implementation}")
 
 
 @functools.cache
