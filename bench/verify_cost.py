@@ -20,6 +20,7 @@ from collections.abc import Callable
 import torch
 
 from dflow_rt.bench.report import machine
+from dflow_rt.config import DTYPES
 from dflow_rt.models.bundled import target_dir
 from dflow_rt.models.checkpoint import load_target
 from dflow_rt.models.layers import KVCache
@@ -46,7 +47,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", default="smollm2", help="smollm2 (fetched), a directory, or '' for the bundled one")
     p.add_argument("--tokens", nargs="+", type=int, default=[1, 2, 4, 8, 16])
-    p.add_argument("--dtypes", nargs="+", choices=["float32", "bfloat16"], default=["float32", "bfloat16"])
+    p.add_argument("--dtypes", nargs="+", choices=DTYPES, default=list(DTYPES))
     p.add_argument("--context", type=int, default=128)
     p.add_argument("--repeats", type=int, default=30)
     p.add_argument("--threads", type=int, default=1)

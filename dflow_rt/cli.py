@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from dflow_rt.config import MODES
+from dflow_rt.config import DTYPES, MODES
 from dflow_rt.errors import DflowError
 from dflow_rt.launch import add_tuned_args, load_models_from, model_args, runtime_config, tuned_knobs
 
@@ -168,7 +168,7 @@ def parser() -> argparse.ArgumentParser:
                    help="eager starts at once; compile (torch.compile: minutes the first time, seconds from its "
                         "disk cache after) decodes faster; cudagraph needs CUDA [the tuned one, else compile on "
                         "CPU and cudagraph on CUDA]")
-    g.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+    g.add_argument("--dtype", choices=DTYPES, default=None,
                    help="weights and activations; bfloat16 is faster on CPUs with BF16 instructions, and its greedy "
                         "output is the bf16 target's, not the float32 one's [float32 on CPU, bfloat16 on CUDA]")
     add_tuned_args(g)

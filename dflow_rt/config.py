@@ -8,6 +8,7 @@ from dflow_rt.errors import InputError
 from dflow_rt.requests import check_int
 
 MODES = ("eager", "compile", "cudagraph")  # how the rounds run: RuntimeConfig.mode
+DTYPES = ("float32", "bfloat16")  # the model dtypes commands, autotune and fetch-model offer
 AUTO = "auto"  # a field the Runtime chooses at start: the autotune file's knob, else DEVICE_DEFAULTS
 
 # What "auto" becomes where no autotune entry exists for the models on this device, per device class

@@ -18,11 +18,10 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dflow_rt.config import AUTO, DEVICE_DEFAULTS, MODES, RuntimeConfig
+from dflow_rt.config import AUTO, DEVICE_DEFAULTS, DTYPES, MODES, RuntimeConfig
 
 log = logging.getLogger(__name__)
 FORMAT = 1
-DTYPES = ("float32", "bfloat16")
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
-from dflow_rt.config import RuntimeConfig
+from dflow_rt.config import DTYPES, RuntimeConfig
 from dflow_rt.errors import InputError
 from dflow_rt.runtime import Runtime
 from dflow_rt.tuned import TunedConfig, apply
@@ -286,7 +286,7 @@ def default_axes(quick: bool, cuda: bool, default: TunedConfig, block_size: int,
     differently (inductor fuses bf16 ops in float32), so a dtype lossless in eager may not be compiled.
     The full search settles the mode first, so every later axis is measured as it will run (one
     compile per candidate)."""
-    dtypes = tuple(dict.fromkeys((default.dtype, "float32", "bfloat16")))
+    dtypes = tuple(dict.fromkeys((default.dtype, *DTYPES)))
     axes = [Axis("dtype", dtypes)]
     widths = tuple(k for k in ((8, 4) if quick else (12, 8, 6, 4, 2)) if k < block_size)
     if widths:

@@ -30,10 +30,10 @@ from tqdm import tqdm
 
 from dflow_rt.bench.decoders import Run, Runner, hf_runner, reference_runner, runtime_runner
 from dflow_rt.bench.report import best_width, bf16_matmul, format_table, format_widths, label, machine
+from dflow_rt.config import DTYPES
 from dflow_rt.errors import CheckpointError, DflowError, InputError
 from dflow_rt.models.bundled import pick_device
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 BUNDLED_PAIR = ("dflash", "dflow")  # the drafters bundled for a target, benchmarked by default
 WARMUP_TOKENS = 8
 
@@ -61,7 +61,7 @@ def add_e2e_args(p: argparse.ArgumentParser) -> None:
                         "for bundled]")
     p.add_argument("--prompts", type=int, default=8, help="e2e: first N HumanEval prompts [8]")
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=["float32"],
+    p.add_argument("--dtypes", nargs="+", choices=DTYPES, default=["float32"],
                    help="e2e: bfloat16 (skipped with a note where the device has no bf16 matmul) about doubles "
                         "the run: 16-25 instead of ~11 min for bundled + smollm2 on a busy 2-core EPYC [float32]")
     p.add_argument("--verify-widths", nargs="+", type=int, default=[4, 8, 16], metavar="K",
@@ -135,7 +135,7 @@ def bench_target(spec: str, args, device: torch.device, modes: list[str], dtypes
         return round(clock[-1] - clock[-2], 1)
 
     path = target_dir(None if spec == "bundled" else spec)
-    targets = {d: load_target(path, dtype=DTYPES[d], device=device) for d in dtypes}
+    targets = {d: load_target(path, dtype=getattr(torch, d), device=device) for d in dtypes}
     prompts, stops = load_prompts(path, args)
     specs = args.drafters or ([args.drafter] if args.drafter else
                               BUNDLED_PAIR if spec == "bundled" or spec in bundled_targets() else [])

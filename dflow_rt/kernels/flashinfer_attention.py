@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 HEAD_DIMS = (64, 128, 256)
-DTYPES = (torch.float16, torch.bfloat16)
+SERVED_DTYPES = (torch.float16, torch.bfloat16)  # what FlashInfer's attention takes
 _instances: weakref.WeakValueDictionary[int, FlashInferAttention] = weakref.WeakValueDictionary()  # by id
 _ids = itertools.count()
 
@@ -53,7 +53,7 @@ class FlashInferAttention:
 
     def configure(self, causal: bool, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
         """Declare the model attending with `causal` (verify's target: True, the drafter: False)."""
-        if dtype not in DTYPES or head_dim not in HEAD_DIMS:
+        if dtype not in SERVED_DTYPES or head_dim not in HEAD_DIMS:
             raise ValueError(f"FlashInfer attention needs fp16/bf16 and head_dim in {HEAD_DIMS}, "
                              f"got {dtype} and {head_dim}")
         self.shapes[causal] = heads, kv_heads, head_dim, dtype

@@ -21,12 +21,12 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from dflow_rt.config import DTYPES
 from dflow_rt.errors import DflowError
 
 MANIFEST = "fetched.json"  # written last: its presence means the directory is complete
 FORMAT = 3  # of what a fetch writes; a directory of an older format is fetched again (2: the mask token,
 #            3: `architectures` in config.json, which llama.cpp's converter and other tools dispatch on)
-DTYPES = ("float32", "bfloat16")
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ import signal
 import sys
 from pathlib import Path
 
-from dflow_rt.config import MODES
+from dflow_rt.config import DTYPES, MODES
 from dflow_rt.errors import DflowError
 from dflow_rt.launch import add_tuned_args, load_models_from, model_args, runtime_config, tuned_knobs
 
@@ -35,7 +35,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--block-size", type=int, default=None, help="default: the drafter's block size")
     s.add_argument("--verify-width", type=int, default=None, metavar="K", help="as for generate")
     s.add_argument("--mode", choices=MODES, default=None, help="as for generate [the tuned one, else per device]")
-    s.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help="as for generate")
+    s.add_argument("--dtype", choices=DTYPES, default=None, help="as for generate")
     add_tuned_args(s)
     s.add_argument("--served-model-name", default=None,
                    help="the `model` clients must send [the --target name or directory name, else bundled]")
