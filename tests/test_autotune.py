@@ -9,7 +9,7 @@ import random
 import pytest
 
 from dflow_rt import tuned as configs
-from dflow_rt.autotune.job import Axis, Tuner
+from dflow_rt.autotune.job import Axis, Measure, Tuner
 from dflow_rt.config import RuntimeConfig
 from dflow_rt.tuned import TunedConfig, apply, entry_key, load_tuned, resolve, store, tuned_for
 from tests.conftest import FIXTURES
@@ -28,8 +28,9 @@ def fixed_speed(speeds: dict, knob=lambda point, rows: point.length_step):
 
 
 def tuner(reference_pair, speeds: dict, axes, cls=Tuner, **kw) -> Tuner:
-    return cls(lambda dtype: reference_pair, PROMPTS, [1, 2], DEFAULT, axes, max_new=24, repeats=3, max_len=128,
-               timer=fixed_speed(speeds, **kw), progress=False)
+    measure = Measure(max_new=24, repeats=3, max_len=128)
+    return cls(lambda dtype: reference_pair, PROMPTS, [1, 2], DEFAULT, axes, measure, timer=fixed_speed(speeds, **kw),
+               progress=False)
 
 
 class WithLossyCandidate(Tuner):

@@ -4,7 +4,7 @@ every finished request exactly as expected and nothing left behind (`dflow-rt so
 import pytest
 
 import dflow_rt
-from dflow_rt.bench.soak import run_soak
+from dflow_rt.bench.soak import Soak, run_soak
 from dflow_rt.models.bundled import drafter_dir, target_dir
 from dflow_rt.tokenizer import load_tokenizer
 
@@ -16,8 +16,8 @@ def bundled():
 
 
 def test_soak_500_rounds(bundled):
-    result = run_soak(*bundled, rounds=500, mode="eager", max_batch=4, max_len=256, n_prompts=6,
-                      max_new=(8, 24, 48), progress=False)
+    soak = Soak(rounds=500, mode="eager", max_batch=4, max_len=256, prompts=6, max_new=(8, 24, 48))
+    result = run_soak(*bundled, soak, progress=False)
     assert result["requests"] > 50 and result["cancelled"] > 0 and result["bad"] > 50
     assert result["exact_fraction"] == 1.0 and result["failed"] == 0, result["mismatches"]
     assert result["bad_refused_fraction"] == 1.0

@@ -17,7 +17,7 @@ def cmd_autotune(args: argparse.Namespace) -> None:
 
     import torch
 
-    from dflow_rt.autotune.job import Tuner, default_axes
+    from dflow_rt.autotune.job import Measure, Tuner, default_axes
     from dflow_rt.data.prompts import suite_prompts
     from dflow_rt.models.bundled import drafter_dir, pick_device, target_dir
     from dflow_rt.models.checkpoint import default_dtype, load_drafter, load_target
@@ -50,10 +50,10 @@ def cmd_autotune(args: argparse.Namespace) -> None:
     if device.type == "cuda":
         print("autotune: the Triton kernels expose no launch configs (block sizes are fixed): tuning which ops "
               "they serve")
-    tuner = Tuner(load, prompts, args.batches, default, default_axes(args.quick, device.type == "cuda", default,
-                                                                         block, cores),
-                  max_new=settings["max_new_tokens"], repeats=settings["repeats"],
-                  max_len=max(512, 128 + settings["max_new_tokens"] + 2 * block), budget_s=settings["budget"])
+    measure = Measure(settings["max_new_tokens"], settings["repeats"],
+                      max(512, 128 + settings["max_new_tokens"] + 2 * block), settings["budget"])
+    axes = default_axes(args.quick, device.type == "cuda", default, block, cores)
+    tuner = Tuner(load, prompts, args.batches, default, axes, measure)
     result = tuner.search()
     entry = {"target": model_id(target_path), "drafter": model_id(drafter_path), "dtype": result.tuned.dtype,
              "knobs": {result.tuned.dtype: result.record(block)}, "default": result.default.knobs(),

@@ -104,6 +104,17 @@ def beats(paired: dict[int, Paired]) -> bool:
         p.noise for p in paired.values())
 
 
+@dataclass(frozen=True)
+class Measure:
+    """How the search measures: `max_new` tokens per prompt in a `max_len` Runtime, `repeats` paired
+    decodes per comparison, and after `budget_s` seconds (None: never) only the last axis."""
+
+    max_new: int = 64
+    repeats: int = 5
+    max_len: int = 512
+    budget_s: float | None = None
+
+
 class Lossy(Exception):
     """A decode emitted other tokens than the reference."""
 
@@ -136,19 +147,19 @@ class Result:
 class Tuner:
     """Coordinate descent over `axes` from `default` on `prompts`, at every batch size of `batches`.
 
-    `load(dtype)` gives the (target, drafter or None) pair in that dtype. A decode runs `max_new`
+    `load(dtype)` gives the (target, drafter or None) pair in that dtype. A decode runs `measure.max_new`
     tokens per prompt, its first step (admission, prefill, first round) untimed. Each comparison
-    takes `repeats` paired decodes per batch bucket, cycling through the prompt groups. Once
-    `budget_s` seconds have passed, candidates are skipped, except on the last axis: quick mode
+    takes `measure.repeats` paired decodes per batch bucket, cycling through the prompt groups. Once
+    `measure.budget_s` seconds have passed, candidates are skipped, except on the last axis: quick mode
     puts the mode there, whose compiles are worth more than any other axis.
     """
 
     def __init__(self, load: Loader, prompts: list[list[int]], batches: Sequence[int], default: TunedConfig,
-                 axes: Sequence[Axis], *, max_new: int = 64, repeats: int = 5, max_len: int = 512,
-                 timer: Timer = wall_timer, budget_s: float | None = None, progress: bool = True):
+                 axes: Sequence[Axis], measure: Measure = Measure(), *, timer: Timer = wall_timer,
+                 progress: bool = True):
         self.load, self.prompts, self.batches = load, prompts, tuple(sorted(batches))
-        self.default, self.axes, self.max_new, self.repeats = default, list(axes), max_new, repeats
-        self.max_len, self.timer, self.budget_s, self.progress = max_len, timer, budget_s, progress
+        self.default, self.axes, self.measure = default, list(axes), measure
+        self.timer, self.progress = timer, progress
         drafter = load(default.dtype)[1]
         self.block_size = drafter.block_size if drafter is not None else 1
         self.runtimes: dict[tuple[TunedConfig, bool], Runtime] = {}
@@ -162,8 +173,8 @@ class Tuner:
         if (point, ar) not in self.runtimes:
             target, drafter = self.load(point.dtype)
             torch.set_num_threads(point.threads)  # compiled kernels keep the thread count they were built with
-            base = RuntimeConfig(max_batch=max(self.batches), max_len=self.max_len, batch_buckets=self.batches,
-                                 tuned=False)
+            base = RuntimeConfig(max_batch=max(self.batches), max_len=self.measure.max_len,
+                                 batch_buckets=self.batches, tuned=False)
             self.runtimes[point, ar] = Runtime(target, None if ar else drafter, apply(base, point, self.block_size))
         return self.runtimes[point, ar]
 
@@ -178,14 +189,15 @@ class Tuner:
         moves a sum, not a median."""
         rt = self.runtime(point, ar)
         torch.set_num_threads(point.threads)
-        rids = [rt.add_request(p, max_new_tokens=self.max_new) for p in group]
+        rids = [rt.add_request(p, max_new_tokens=self.measure.max_new) for p in group]
         rt.step()  # admission, prefill and the first round: the warm-up step, not timed
         count, times = 0, []
         while not all(rt.is_finished(r) for r in rids):
             tokens, seconds = self.timer(point, len(group), lambda: sum(len(t) for t in rt.step().values()))
             count, times = count + tokens, times + [seconds]
         if count == 0:
-            raise InputError(f"max_new_tokens {self.max_new} is too few: the untimed first step emitted them all")
+            raise InputError(f"max_new_tokens {self.measure.max_new} is too few: the untimed first step emitted "
+                             f"them all")
         return [rt.pop(r).emitted for r in rids], count / (len(times) * statistics.median(times))
 
     def reference(self, dtype: str) -> dict[tuple[int, int], list[list[int]]]:
@@ -210,7 +222,7 @@ class Tuner:
             for g in range(len(self.groups(n))):
                 self.checked(b, n, g)
         paired = {n: Paired() for n in self.batches}
-        for rep in range(self.repeats):
+        for rep in range(self.measure.repeats):
             for n in self.batches:
                 g = rep % len(self.groups(n))
                 order = ((a, paired[n].a), (b, paired[n].b))
@@ -231,7 +243,7 @@ class Tuner:
                 for cand in candidates:
                     record = {"axis": axis.name, "knobs": cand.knobs()}
                     bar.set_postfix_str(f"{axis.name}={axis.value(cand)}")
-                    late = self.budget_s is not None and time.monotonic() - start > self.budget_s
+                    late = self.measure.budget_s is not None and time.monotonic() - start > self.measure.budget_s
                     if late and index < len(self.axes) - 1:
                         record["status"] = "skipped: over the time budget"
                     else:

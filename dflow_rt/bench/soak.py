@@ -40,6 +40,20 @@ LENGTHS = (6, 24, 64, 160)  # prompt lengths, cycled over the pool
 TARGETS = {"rss_growth": 0.05, "recompiles": 0, "exact": 1.0, "bad_refused": 1.0}
 
 
+@dataclass(frozen=True)
+class Soak:
+    """A soak's size: `rounds` steps of a `max_batch` x `max_len` Runtime in `mode`, its requests drawn
+    (with `seed`) from `prompts` distinct prompts, each asking for one of the `max_new` token counts."""
+
+    rounds: int = 10_000
+    mode: str = "eager"
+    max_batch: int = 4
+    max_len: int = 512
+    prompts: int = 24
+    max_new: tuple[int, ...] = (8, 32, 96, 160)
+    seed: int = 0
+
+
 @dataclass
 class Pool:
     """Prompts and the full expected output of each (prompt, sampling) pair, up to `max_new` tokens."""
@@ -102,12 +116,11 @@ def graphs_compiled() -> int:
     return counters["stats"]["unique_graphs"]
 
 
-def run_soak(target, drafter, tokenizer, rounds: int = 10_000, mode: str = "eager", max_batch: int = 4,
-             max_len: int = 512, n_prompts: int = 24, max_new: tuple[int, ...] = (8, 32, 96, 160), seed: int = 0,
-             progress: bool = True) -> dict:
-    """Run `rounds` steps under churn and return the figures (see the module docstring)."""
-    rng = random.Random(seed)
-    pool = build_pool(target, drafter, tokenizer, n_prompts, max_new, max_len)
+def run_soak(target, drafter, tokenizer, soak: Soak = Soak(), progress: bool = True) -> dict:
+    """Run `soak.rounds` steps under churn and return the figures (see the module docstring)."""
+    rounds, mode, max_batch, max_len = soak.rounds, soak.mode, soak.max_batch, soak.max_len
+    rng = random.Random(soak.seed)
+    pool = build_pool(target, drafter, tokenizer, soak.prompts, soak.max_new, max_len)
     rt = Runtime(target, drafter, RuntimeConfig(max_batch=max_batch, max_len=max_len, mode=mode,
                                                 verify_width=None, tuned=False))
     graphs, bad = graphs_compiled(), bad_requests(target.config.vocab_size, max_len)
@@ -199,8 +212,8 @@ def cmd_soak(args: argparse.Namespace) -> None:
     args.drafter, args.target = args.drafter or "dflash", None
     target, drafter, tokenizer = load_models(args.target, args.drafter, args.device, args.threads)
     t0 = time.perf_counter()
-    result = run_soak(target, drafter, tokenizer, args.rounds, args.mode, args.max_batch, args.max_len,
-                      args.prompts, seed=args.seed)
+    result = run_soak(target, drafter, tokenizer, Soak(args.rounds, args.mode, args.max_batch, args.max_len,
+                                                       args.prompts, seed=args.seed))
     result |= {"drafter": args.drafter, "machine": machine(), "threads": torch.get_num_threads(),
                "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "wall_s": round(time.perf_counter() - t0)}
     print(json.dumps({k: v for k, v in result.items() if k != "mismatches"}, indent=1))

@@ -141,8 +141,9 @@ def _check_model(body: Sampling, model_name: str) -> None:
 
 def _params(engine: Engine, body: Sampling, ids: list[int], max_tokens: int | None, default: int | None,
             prompt_param: str) -> Params:
-    return engine.check(ids, max_tokens, default, body.temperature, body.top_p, max(body.top_k, 0), body.seed,
-                        body.stops(), body.stop_token_ids, prompt_param)
+    asked = Params(tuple(ids), max_tokens, body.temperature, body.top_p, max(body.top_k, 0), body.seed,
+                   tuple(body.stops()), tuple(body.stop_token_ids))
+    return engine.check(asked, default, prompt_param)
 
 
 async def _answer(request: Request, engine: Engine, params: Params, body: Sampling, chat: bool,

@@ -39,10 +39,11 @@ class Refused(Exception):
 
 @dataclass(frozen=True)
 class Params:
-    """A checked request: everything the Runtime needs, in its own terms."""
+    """A request: everything the Runtime needs, in its own terms (`Engine.check` checks it; only an
+    unchecked one may leave `max_tokens` None, for as many as fit)."""
 
     prompt_ids: tuple[int, ...]
-    max_tokens: int
+    max_tokens: int | None
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -125,10 +126,10 @@ class Engine:
         self.metrics.queue_depth.set_function(lambda: max(0, self._in_flight - self.running()))
 
     # -- the handlers' side -------------------------------------------------------------------
-    def check(self, prompt_ids: Sequence[int], max_tokens: int | None, default_max_tokens: int | None = None,
-              temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
-              stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (), prompt_param: str = "prompt") -> Params:
-        """The request in the Runtime's terms, or `Refused` (400) naming the field to fix."""
+    def check(self, asked: Params, default_max_tokens: int | None = None, prompt_param: str = "prompt") -> Params:
+        """`asked` checked, with `max_tokens` filled in (at most `default_max_tokens` when it asked for
+        none), or `Refused` (400) naming the field to fix (the prompt's as `prompt_param`)."""
+        prompt_ids, max_tokens = asked.prompt_ids, asked.max_tokens
         try:
             prompt_tensor(list(prompt_ids), self.vocab, "cpu")
         except InputError as err:
@@ -144,14 +145,14 @@ class Engine:
             raise Refused(400, f"max_tokens {max_tokens} does not fit with a prompt of {len(prompt_ids)} tokens: "
                           f"at most {room} here (context {self.max_len})", "max_tokens", "context_length_exceeded")
         try:
-            sampling = check_sampling(temperature, top_k, top_p, seed, self.vocab)
-            stops = stop_set(stop_token_ids, self.vocab)
+            sampling = check_sampling(asked.temperature, asked.top_k, asked.top_p, asked.seed, self.vocab)
+            stops = stop_set(asked.stop_token_ids, self.vocab)
         except InputError as err:
             raise Refused(400, str(err), str(err).split()[0].rstrip("[]")) from None
-        if any(not s for s in stop):
+        if any(not s for s in asked.stop):
             raise Refused(400, "stop strings must not be empty", "stop")
         return Params(tuple(prompt_ids), max_tokens, sampling.temperature, sampling.top_p, sampling.top_k,
-                      sampling.seed, tuple(stop), tuple(sorted(stops)))
+                      sampling.seed, tuple(asked.stop), tuple(sorted(stops)))
 
     def submit(self, params: Params) -> Handle:
         """Queue a checked request (from a coroutine): `Refused` 429 when the queue is full, 503 when
