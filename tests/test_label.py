@@ -79,7 +79,7 @@ def test_the_objective_learns_the_truth_not_the_text(tiny_dir, labelled):  # noq
     """With truth = ids the loss is the regen loss; with the labels it differs, and slot k is scored
     against truth[p + k] while the block starts from the text's token at p."""
     from dflow_rt.models.checkpoint import load_target
-    from dflow_rt.train.drafter import build_drafter, resolve_settings
+    from dflow_rt.train.drafter_training import build_drafter, resolve_settings
 
     out, _ = labelled
     seqs = sequences.load_sequences(out)

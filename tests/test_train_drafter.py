@@ -29,7 +29,7 @@ from dflow_rt.models.target import Target, TargetConfig
 from dflow_rt.tokenizer import load_tokenizer, train_tokenizer
 from dflow_rt.train import anchors, regen, sequences
 from dflow_rt.train.cli import main
-from dflow_rt.train.drafter import freeze_shared_weights, make_optimizer
+from dflow_rt.train.drafter_training import freeze_shared_weights, make_optimizer
 from dflow_rt.train.loop import clip_gradients
 from dflow_rt.train.objective import (
     DraftObjective,
@@ -580,7 +580,7 @@ def test_draft_vocab_sequences_and_amp_options(tiny_dir, data_file, tmp_path, ca
 
 @pytest.mark.parametrize("model_type", ["qwen3", "llama"])
 def test_init_layers_start_the_drafter_as_copies_of_target_layers(model_type, tmp_path):
-    from dflow_rt.train.drafter import build_drafter, resolve_settings
+    from dflow_rt.train.drafter_training import build_drafter, resolve_settings
 
     torch.manual_seed(0)
     target = Target(TargetConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=4,

@@ -32,7 +32,7 @@ def cmd_tokenizer(args: argparse.Namespace) -> None:
 
 
 def cmd_target(args: argparse.Namespace) -> None:
-    from dflow_rt.train.target import train_target
+    from dflow_rt.train.pretrain_target import train_target
 
     given = {k: getattr(args, k) for k in TARGET_DEFAULTS}
     result = train_target(args.tokenizer, args.out, batch=args.batch, resume=args.resume, threads=args.threads,
@@ -167,7 +167,7 @@ def _features_parser(p: argparse.ArgumentParser) -> None:
 
 def cmd_drafter(args: argparse.Namespace) -> None:
     from dflow_rt.models.bundled import target_dir
-    from dflow_rt.train.drafter import DFLASH_DEFAULTS, DFLOW_DEFAULTS, train_drafter
+    from dflow_rt.train.drafter_training import DFLASH_DEFAULTS, DFLOW_DEFAULTS, train_drafter
 
     names = DFLOW_DEFAULTS if args.train_command == "dflow" else DFLASH_DEFAULTS
     given = {k: getattr(args, k) for k in names}
@@ -203,7 +203,7 @@ def cmd_draft_vocab(args: argparse.Namespace) -> None:
 
 
 def _drafter_parser(p: argparse.ArgumentParser, dflow: bool) -> None:
-    """Defaults in brackets are DFLASH_DEFAULTS / DFLOW_DEFAULTS of dflow_rt.train.drafter."""
+    """Defaults in brackets are DFLASH_DEFAULTS / DFLOW_DEFAULTS of dflow_rt.train.drafter_training."""
     p.add_argument("--target", required=True, help="frozen target model directory")
     p.add_argument("--data", required=True, help="sequences written by `dflow-rt train regen`")
     p.add_argument("--features", help="the target's features of --data from `dflow-rt train features`: DFlash "
