@@ -18,7 +18,7 @@ from tests.conftest import FIXTURES
 
 COLUMNS = {"target", "method", "drafter", "mode", "batch", "dtype", "k", "prompts", "calls", "tau",
            "tokens_per_s", "ttft_ms", "acceptance_histogram", "identical", "tokens", "speedup_vs_hf",
-           "speedup_vs_ar", "ar_baseline"}
+           "speedup_vs_ar", "ar_baseline", "bound_share"}
 
 
 def bench_args(argv: list[str]) -> argparse.Namespace:
@@ -87,6 +87,18 @@ def test_columns_hang_together(result):
         # every round emits at least one token; the rounds together emitted every token but prefill's
         assert sum(n * c for n, c in enumerate(r["acceptance_histogram"], 1)) >= r["tokens"] - r["prompts"]
     assert all(r["acceptance_histogram"] == [r["tokens"] - r["prompts"]] for r in rows if r["method"] == "ar")
+    # the bandwidth bound: every weight once per token (the fixture's embedding is untied: one row of it)
+    from safetensors.torch import load_file
+
+    info = data["targets"][str(FIXTURES / "target")]
+    weights = load_file(FIXTURES / "target" / "model.safetensors")
+    read = sum(w.numel() * w.element_size() for name, w in weights.items() if "embed_tokens" not in name)
+    assert "lm_head.weight" in weights and info["bytes_per_token"]["float32"] == read
+    bound = info["read_gbps"] * 1e9 / read
+    assert info["bound_tokens_per_s"]["float32"] == pytest.approx(bound)
+    for r in rows:
+        assert r["bound_share"] == (pytest.approx(r["tokens_per_s"] / bound) if r["batch"] == 1 else None)
+    assert any("read bandwidth" in n and "bound" in n for n in data["notes"])
 
 
 def test_plots_are_pngs(result):

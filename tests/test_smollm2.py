@@ -151,3 +151,26 @@ def test_bundled_drafters_are_lossless_and_draft(smollm2):
             assert spec.token_ids == dflow_rt.reference.generate(target, None, ids, max_new_tokens=32).token_ids
             taus.append(spec.tau)
         assert sum(taus) / len(taus) > 1.2, taus  # a drafter that never hits: 1.0
+
+
+def test_llama_cpp_decodes_our_greedy_tokens_from_the_converted_weights(smollm2):
+    """The e2e bench's peer: llama.cpp's converter accepts the fetched directory, and llama.cpp decoding
+    the F32 GGUF writes our greedy text (float32 both; another summation order may flip a rare near-tie,
+    so one prompt in ten may part), with and without its prompt-lookup mode."""
+    pytest.importorskip("llama_cpp")  # the llamacpp extra
+    from dflow_rt.bench import llamacpp
+
+    path, target, _, tok, prompts = smollm2
+    gguf = llamacpp.gguf_file(path, llamacpp.available())
+    assert gguf.stat().st_size > 4 * sum(p.numel() for p in target.parameters())  # float32 weights
+    stops = [tok.eos_token_id]
+    plain = llamacpp.llama_cpp_runner(gguf, stops, threads=1, n_ctx=128)
+    lookup = llamacpp.llama_cpp_runner(gguf, stops, threads=1, n_ctx=128, prompt_lookup=8)
+    same = []
+    for ids in prompts:
+        ours = dflow_rt.reference.generate(target, None, ids, max_new_tokens=24, stop_token_ids=stops).token_ids
+        theirs = plain([ids], 24)
+        assert theirs.outputs[0][0] == ours[0] and theirs.decode_tokens == len(theirs.outputs[0]) - 1
+        same.append(theirs.outputs[0] == ours)
+        assert lookup([ids], 24).outputs == theirs.outputs
+    assert sum(same) >= len(prompts) - 1, same

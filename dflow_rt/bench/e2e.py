@@ -20,6 +20,7 @@ import argparse
 import gc
 import json
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -29,7 +30,16 @@ import torch
 from tqdm import tqdm
 
 from dflow_rt.bench.decoders import Run, Runner, hf_runner, reference_runner, runtime_runner
-from dflow_rt.bench.report import best_width, bf16_matmul, format_table, format_widths, label, machine
+from dflow_rt.bench.report import (
+    best_width,
+    bf16_matmul,
+    bytes_per_token,
+    format_table,
+    format_widths,
+    label,
+    machine,
+    read_bandwidth,
+)
 from dflow_rt.config import DTYPES
 from dflow_rt.errors import CheckpointError, DflowError, InputError
 from dflow_rt.models.bundled import pick_device
@@ -71,6 +81,8 @@ def add_e2e_args(p: argparse.ArgumentParser) -> None:
                    help="e2e: JSON list of token-id lists, instead of HumanEval (targets without a tokenizer)")
     p.add_argument("--compiler", default="inductor", help="e2e: torch.compile's backend for `compile` rows")
     p.add_argument("--plots", default=None, metavar="DIR", help="e2e: write PNG plots there (needs matplotlib)")
+    p.add_argument("--no-llama-cpp", action="store_true",
+                   help="e2e: skip the llama.cpp rows (run when llama-cpp-python is installed: the llamacpp extra)")
 
 
 def run_e2e(args: argparse.Namespace) -> dict:
@@ -99,8 +111,12 @@ def run_e2e(args: argparse.Namespace) -> dict:
         result["targets"][spec] = info
         gc.collect()  # the last target's models and Runtimes, before the next target loads
     differ = [r for r in result["rows"] if r["identical"] < 1.0]
-    result["failures"] = [f"{r['target']}: {label(r)}" for r in differ if r["dtype"] == "float32"]
-    result["bf16_mismatches"] = [f"{r['target']}: {label(r)}" for r in differ if r["dtype"] != "float32"]
+    ours = [r for r in differ if not r["method"].startswith("llama_cpp")]
+    result["failures"] = [f"{r['target']}: {label(r)}" for r in ours if r["dtype"] == "float32"]
+    result["bf16_mismatches"] = [f"{r['target']}: {label(r)}" for r in ours if r["dtype"] != "float32"]
+    if len(ours) < len(differ):
+        notes.append("llama.cpp rows are compared, not required to match: its float32 kernels sum in another "
+                     "order, so near-tie argmaxes can flip")
     if result["bf16_mismatches"]:
         notes.append("!! marks bf16 rows whose outputs differ from bf16 AR greedy (eager, first batch size): in "
                      "bf16 any other kernel or shape (batch, compiled kernels, k positions per pass) rounds "
@@ -147,8 +163,9 @@ def bench_target(spec: str, args, device: torch.device, modes: list[str], dtypes
         hf = load_hf(path, device)
         methods += [Method("hf_generate", "eager", 1, "float32", hf_runner(hf, stops)),
                     Method("hf_prompt_lookup", "eager", 1, "float32", hf_runner(hf, stops, args.prompt_lookup))]
+        methods += llama_cpp_methods(path, args, stops, max_len, notes)
     else:
-        notes.append(f"{spec}: transformers rows run in float32 only, which --dtypes leaves out")
+        notes.append(f"{spec}: transformers and llama.cpp rows run in float32 only, which --dtypes leaves out")
     seconds = {"load": lap()}
     sweep_dtype = "float32" if "float32" in dtypes else dtypes[0]
     widths = sweep_widths(spec, targets[sweep_dtype], drafters[sweep_dtype], args, prompts, max_len, stops)
@@ -169,9 +186,40 @@ def bench_target(spec: str, args, device: torch.device, modes: list[str], dtypes
     seconds["build"] = lap()
     measure(methods, prompts, args.max_new_tokens, max(args.batches), f"{spec}: decoding")
     seconds["decode"] = lap()
-    return summarize(methods, spec), {
-        "path": str(path), "prompt_tokens": [len(p) for p in prompts],
+    gbps, weights = read_bandwidth(device), {d: bytes_per_token(t) for d, t in targets.items()}
+    bound = {d: gbps * 1e9 / b for d, b in weights.items()}
+    rows = summarize(methods, spec)
+    for r in rows:
+        r["bound_share"] = r["tokens_per_s"] * r["batch"] / bound[r["dtype"]] if r["batch"] == 1 else None
+    notes.append(f"{spec}: read bandwidth {gbps:.1f} GB/s at {torch.get_num_threads()} thread(s) (sums over 512 MB); "
+                 + ", ".join(f"{d} decode reads {weights[d] / 1e6:.0f} MB a token: bound {bound[d]:.1f} tokens/s at "
+                             f"batch 1" for d in dtypes))
+    return rows, {
+        "path": str(path), "prompt_tokens": [len(p) for p in prompts], "read_gbps": gbps,
+        "bytes_per_token": weights, "bound_tokens_per_s": bound,
         "stop_token_ids": list(stops), "verify_width_sweep": widths, "seconds": seconds}
+
+
+def llama_cpp_methods(path: Path, args, stops: list[int], max_len: int, notes: list[str]) -> list[Method]:
+    """llama.cpp greedy and with prompt lookup on the same weights as F32 GGUF, or a note why not."""
+    from dflow_rt.bench import llamacpp
+
+    version = llamacpp.available()
+    if args.no_llama_cpp or version is None or not (path / "tokenizer.json").exists():
+        if version is None:
+            notes.append("llama.cpp rows skipped: llama-cpp-python is not installed (pip install 'dflow-rt[llamacpp]')")
+        elif not args.no_llama_cpp:
+            notes.append(f"llama.cpp rows skipped: {path} has no tokenizer.json for llama.cpp's converter")
+        return []
+    try:
+        gguf = llamacpp.gguf_file(path, version)
+    except (InputError, OSError, subprocess.CalledProcessError) as err:
+        notes.append(f"llama.cpp rows skipped: {err}")
+        return []
+    threads = torch.get_num_threads()
+    notes.append(f"llama.cpp: llama-cpp-python {version}, {gguf.name}, {threads} thread(s)")
+    return [Method(name, "llama.cpp", 1, "float32", llamacpp.llama_cpp_runner(gguf, stops, threads, max_len, lookup))
+            for name, lookup in (("llama_cpp", None), ("llama_cpp_prompt_lookup", args.prompt_lookup))]
 
 
 def load_prompts(path: Path, args) -> tuple[list[list[int]], list[int]]:

@@ -10,12 +10,15 @@ from pathlib import Path
 
 import torch
 
+PEERS = ("hf_", "llama_cpp")  # other projects' decoders: one configuration each
+
 
 def label(r: dict) -> str:
     """A row's name in tables and plots, e.g. 'dflash compile b4 bf16 k8'."""
     name = {"hf_generate": "transformers generate", "hf_prompt_lookup": "transformers prompt lookup",
-            "reference": f"reference {r['drafter']}", "ar": "AR"}.get(r["method"], r["method"])
-    if r["method"].startswith("hf_"):
+            "reference": f"reference {r['drafter']}", "ar": "AR", "llama_cpp": "llama.cpp F32",
+            "llama_cpp_prompt_lookup": "llama.cpp prompt lookup F32"}.get(r["method"], r["method"])
+    if r["method"].startswith(PEERS):
         return name
     dtype = {"float32": "fp32", "bfloat16": "bf16"}[r["dtype"]]
     width = f" k{r['k']}" if r["k"] is not None and r["method"] != "reference" else ""
@@ -61,6 +64,34 @@ def bf16_matmul(device: torch.device) -> bool:
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def read_bandwidth(device: torch.device, megabytes: int = 512, repeats: int = 5) -> float:
+    """Memory read bandwidth in GB/s, best of `repeats` sums over a `megabytes` float32 tensor at the
+    current thread count: what one decode step, which reads every weight once, can at best stream."""
+    x = torch.ones(megabytes * 2**20 // 4, device=device)
+    best = float("inf")
+    for _ in range(repeats + 1):  # the first pass faults the pages in
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        x.sum().item()
+        best = min(best, time.perf_counter() - t0)
+    return x.numel() * 4 / best / 1e9
+
+
+def bytes_per_token(target: torch.nn.Module) -> int:
+    """Weight bytes one batch-1 decode step reads: every parameter once, except an untied input
+    embedding (a step reads one row of it)."""
+    embedding = target.embed_tokens.weight
+    tied = embedding.data_ptr() == target.lm_head.weight.data_ptr()
+    seen, total = set(), 0
+    for p in target.parameters():
+        if p.data_ptr() in seen or (p is embedding and not tied):
+            continue
+        seen.add(p.data_ptr())
+        total += p.numel() * p.element_size()
+    return total
 
 
 def machine(device: torch.device) -> dict:
