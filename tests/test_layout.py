@@ -1,4 +1,5 @@
-"""The package's import graph: subpackages import "down" only, never in a circle."""
+"""The package's layout: its import graph (subpackages import "down" only, never in a circle), and
+the pages that describe it (every module, every command, the command CI runs)."""
 
 import ast
 from pathlib import Path
@@ -43,3 +44,37 @@ def test_import_graph_has_no_cycle():
         if node not in state:
             visit(node, [])
     assert {"dflow_rt.train", "dflow_rt.eval", "dflow_rt.data", "dflow_rt.models"} <= graph.keys()
+
+
+DOCS = ROOT.parent / "docs"
+
+
+def test_layout_page_names_every_module():
+    """docs/layout.md lists every module of the package."""
+    page = (DOCS / "layout.md").read_text()
+    missing = [str(p.relative_to(ROOT)) for p in sorted(ROOT.rglob("*.py"))
+               if p.name != "__init__.py" and p.name not in page]
+    assert not missing, f"docs/layout.md does not name {missing}"
+
+
+def test_cli_page_names_every_command():
+    """docs/cli.md's synopsis has a line for every `dflow-rt` command and names every `train` command."""
+    import argparse
+
+    from dflow_rt.cli import parser
+
+    def commands(p: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+        return next(a for a in p._actions if isinstance(a, argparse._SubParsersAction)).choices
+
+    synopsis = (DOCS / "cli.md").read_text().split("```")[1]
+    top = commands(parser())
+    for name in top:
+        assert f"\ndflow-rt {name} " in synopsis, f"docs/cli.md's synopsis lacks `dflow-rt {name}`"
+    assert "dflow-rt train " + "|".join(commands(top["train"])) + " " in synopsis
+
+
+def test_readme_shows_the_command_ci_runs():
+    """The README's test command is the one .ci/run runs, byte for byte."""
+    ci = (ROOT.parent / ".ci" / "run").read_text()
+    command = 'pip install -e ".[test]" && python -m pytest -q'
+    assert f"\n{command}\n" in ci and f"\n{command}\n" in (ROOT.parent / "README.md").read_text()
