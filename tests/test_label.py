@@ -50,7 +50,7 @@ def test_labels_are_the_targets_argmax_and_features_its_pass(tiny_dir, labelled)
 
 def test_label_resumes_from_its_shards(tiny_dir, tmp_path, monkeypatch):  # noqa: F811
     out, feats = tmp_path / "d.safetensors", tmp_path / "f.safetensors"
-    kwargs = {"texts": 10, "max_tokens": 160, "shard": 4}
+    text = labelling.LabelText(10, max_tokens=160, shard=4)
     calls = []
     real = labelling.label_batch
     monkeypatch.setattr(labelling, "label_batch", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -60,17 +60,17 @@ def test_label_resumes_from_its_shards(tiny_dir, tmp_path, monkeypatch):  # noqa
 
     monkeypatch.setattr(labelling, "_merge", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        labelling.label(tiny_dir, out, feats, (1,), **kwargs)
+        labelling.label(tiny_dir, out, feats, (1,), text)
     assert len(list((tmp_path / "d.safetensors.parts").glob("*.safetensors"))) == 3
     (tmp_path / "d.safetensors.parts" / "00000008.safetensors").write_bytes(b"torn")  # a torn shard is redone
     monkeypatch.undo()
     done = len(calls)
     calls.clear()
     monkeypatch.setattr(labelling, "label_batch", lambda *a, **k: calls.append(1) or real(*a, **k))
-    info = labelling.label(tiny_dir, out, feats, (1,), **kwargs)
+    info = labelling.label(tiny_dir, out, feats, (1,), text)
     assert info["texts"] == 10 and 0 < len(calls) < done and not (tmp_path / "d.safetensors.parts").exists()
     fresh = tmp_path / "fresh.safetensors"
-    labelling.label(tiny_dir, fresh, tmp_path / "ff.safetensors", (1,), **kwargs)
+    labelling.label(tiny_dir, fresh, tmp_path / "ff.safetensors", (1,), text)
     a, b = sequences.load_sequences(out), sequences.load_sequences(fresh)
     assert torch.equal(a.tokens, b.tokens) and torch.equal(a.truth, b.truth)
 
@@ -79,12 +79,13 @@ def test_the_objective_learns_the_truth_not_the_text(tiny_dir, labelled):  # noq
     """With truth = ids the loss is the regen loss; with the labels it differs, and slot k is scored
     against truth[p + k] while the block starts from the text's token at p."""
     from dflow_rt.models.checkpoint import load_target
-    from dflow_rt.train.drafter_training import build_drafter, resolve_settings
+    from dflow_rt.train.drafter_training import DFLASH_DEFAULTS, build_drafter
+    from dflow_rt.train.loop import resolve_settings
 
     out, _ = labelled
     seqs = sequences.load_sequences(out)
     target = load_target(tiny_dir)
-    settings, _ = resolve_settings("dflash", {"block_size": 8, "layers": 1, "target_layers": [1, 3], "steps": 1},
+    settings, _ = resolve_settings(DFLASH_DEFAULTS, {"block_size": 8, "layers": 1, "target_layers": [1, 3], "steps": 1},
                                    tiny_dir / "nowhere", False)
     drafter = build_drafter("dflash", target, tiny_dir, settings)
     objective = DraftObjective(drafter, target, gamma=4.0)

@@ -284,7 +284,7 @@ def test_regen_writes_target_greedy_continuations_of_training_prompts(tiny_dir, 
     done = tmp_path / "again.safetensors"
     sequences.save_sequences(done.with_name(done.name + ".partial"), [seqs[i].tolist() for i in range(8)],
                          seqs.prompt_lens[:8].tolist(), seqs.kinds[:8].tolist(), {**seqs.meta, "target": "x"})
-    regen.regenerate(tiny_dir, done, prompts=24, max_new_tokens=56, batch=8, max_prompt_tokens=40)
+    regen.regenerate(tiny_dir, done, regen.RegenSettings(prompts=24, max_new_tokens=56, batch=8, max_prompt_tokens=40))
     assert torch.equal(sequences.load_sequences(done).tokens, seqs.tokens)
     # A later range of prompts (fresh data for a continuation) is the tail of the full run.
     tail = tmp_path / "tail.safetensors"
@@ -294,7 +294,7 @@ def test_regen_writes_target_greedy_continuations_of_training_prompts(tiny_dir, 
     assert [later[i].tolist() for i in range(8)] == [seqs[i].tolist() for i in range(16, 24)]
     assert later.meta["first_prompt"] == 16 and "first_prompt" not in seqs.meta
     with pytest.raises(InputError, match="first-prompt"):
-        regen.regenerate(tiny_dir, tmp_path / "bad.safetensors", prompts=2, first_prompt=-1)
+        regen.regenerate(tiny_dir, tmp_path / "bad.safetensors", regen.RegenSettings(prompts=2, first_prompt=-1))
 
 
 def test_anchor_batches_do_not_depend_on_world_size(data_file):
@@ -580,7 +580,8 @@ def test_draft_vocab_sequences_and_amp_options(tiny_dir, data_file, tmp_path, ca
 
 @pytest.mark.parametrize("model_type", ["qwen3", "llama"])
 def test_init_layers_start_the_drafter_as_copies_of_target_layers(model_type, tmp_path):
-    from dflow_rt.train.drafter_training import build_drafter, resolve_settings
+    from dflow_rt.train.drafter_training import DFLASH_DEFAULTS, build_drafter
+    from dflow_rt.train.loop import resolve_settings
 
     torch.manual_seed(0)
     target = Target(TargetConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
@@ -588,7 +589,7 @@ def test_init_layers_start_the_drafter_as_copies_of_target_layers(model_type, tm
     with torch.no_grad():
         for p in target.parameters():
             p.normal_()
-    s, _ = resolve_settings("dflash", {"steps": 1, "layers": 2, "init_layers": [3, 1]}, tmp_path, False)
+    s, _ = resolve_settings(DFLASH_DEFAULTS, {"steps": 1, "layers": 2, "init_layers": [3, 1]}, tmp_path, False)
     drafter = build_drafter("dflash", target, tmp_path, s)
     for mine, i in zip(drafter.layers, (3, 1), strict=True):
         theirs = target.model.layers[i].state_dict()

@@ -35,9 +35,7 @@ def cmd_target(args: argparse.Namespace) -> None:
     from dflow_rt.train.pretrain_target import train_target
 
     given = {k: getattr(args, k) for k in TARGET_DEFAULTS}
-    result = train_target(args.tokenizer, args.out, batch=args.batch, resume=args.resume, threads=args.threads,
-                          checkpoint_every=args.checkpoint_every, log_every=args.log_every,
-                          run_steps=args.run_steps, **given)
+    result = train_target(args.tokenizer, args.out, run_options(args), **given)
     if result["finished"]:
         print(f"wrote {args.out} after {result['step']} steps ({result['tokens'] / 1e6:.1f}M tokens)")
     else:
@@ -56,6 +54,15 @@ def _loop_args(p: argparse.ArgumentParser, optimisation) -> argparse._ArgumentGr
     run.add_argument("--log-every", type=int, default=10, help="steps between train_log.jsonl records [10]")
     run.add_argument("--run-steps", type=int, help="stop with a checkpoint after this many steps of this invocation")
     return run
+
+
+def run_options(args: argparse.Namespace):
+    """The run group's flags (`_loop_args`) plus --batch and --device, as the trainers take them."""
+    from dflow_rt.train.loop import RunOptions
+
+    return RunOptions(batch=args.batch, resume=args.resume, threads=args.threads,
+                      checkpoint_every=args.checkpoint_every, log_every=args.log_every, run_steps=args.run_steps,
+                      device=getattr(args, "device", "cpu"))
 
 
 def _target_parser(p: argparse.ArgumentParser) -> None:
@@ -87,12 +94,13 @@ def _target_parser(p: argparse.ArgumentParser) -> None:
 
 def cmd_regen(args: argparse.Namespace) -> None:
     from dflow_rt.models.bundled import target_dir
-    from dflow_rt.train.regen import regenerate
+    from dflow_rt.train.regen import RegenSettings, regenerate
 
     t0 = time.perf_counter()
-    out = regenerate(target_dir(args.target), args.out, prompts=args.prompts, max_new_tokens=args.max_new_tokens,
-                     seed=args.seed, batch=args.batch, max_prompt_tokens=args.max_prompt_tokens,
-                     stop_tail=args.stop_tail, threads=args.threads, device=args.device, first_prompt=args.first_prompt)
+    settings = RegenSettings(prompts=args.prompts, max_new_tokens=args.max_new_tokens, seed=args.seed,
+                             batch=args.batch, max_prompt_tokens=args.max_prompt_tokens, stop_tail=args.stop_tail,
+                             first_prompt=args.first_prompt)
+    out = regenerate(target_dir(args.target), args.out, settings, threads=args.threads, device=args.device)
     print(f"wrote {out}: {args.prompts} sequences ({time.perf_counter() - t0:.0f} s)")
 
 
@@ -114,13 +122,13 @@ def _regen_parser(p: argparse.ArgumentParser) -> None:
 
 def cmd_label(args: argparse.Namespace) -> None:
     from dflow_rt.models.bundled import target_dir
-    from dflow_rt.train.label import label
+    from dflow_rt.train.label import LabelText, label
 
     t0 = time.perf_counter()
     kinds = tuple(("code", "math", "chat").index(k) for k in args.kinds.split(","))
     info = label(target_dir(args.target), args.out, args.features, tuple(int(i) for i in args.layers.split(",")),
-                 args.texts, seed=args.seed, kinds=kinds, max_tokens=args.max_tokens, threads=args.threads,
-                 device=args.device, dtype=args.target_dtype)
+                 LabelText(args.texts, seed=args.seed, kinds=kinds, max_tokens=args.max_tokens),
+                 threads=args.threads, device=args.device, dtype=args.target_dtype)
     print(f"wrote {args.out} and {args.features}: {info['texts']} texts, {info['tokens']} tokens; the target "
           f"agrees with the text at {info['agree']:.1%} of the supervised positions ({time.perf_counter() - t0:.0f} s)")
 
@@ -176,11 +184,8 @@ def cmd_drafter(args: argparse.Namespace) -> None:
             given[key] = [int(i) for i in given[key].split(",")]
     if given["gamma"] not in (None, "auto"):
         given["gamma"] = float(given["gamma"])
-    result = train_drafter(args.train_command, target_dir(args.target), args.data, args.out, batch=args.batch,
-                           resume=args.resume, threads=args.threads, checkpoint_every=args.checkpoint_every,
-                           log_every=args.log_every, run_steps=args.run_steps, eval_prompts=args.eval_prompts,
-                           eval_max_new_tokens=args.eval_max_new_tokens, device=args.device,
-                           features=args.features, **given)
+    result = train_drafter(args.train_command, target_dir(args.target), args.data, args.out, run_options(args),
+                           (args.eval_prompts, args.eval_max_new_tokens), args.features, **given)
     if result["finished"]:
         print(f"wrote {args.out} after {result['step']} steps")
     else:

@@ -6,8 +6,8 @@ The objective itself (DFlash loss, DFlow self-conditioning rounds) is in `dflow_
 from __future__ import annotations
 
 import json
-import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -72,17 +72,27 @@ def freeze_shared_weights(drafter: Drafter) -> None:
         p.requires_grad_(name.startswith("relay."))
 
 
+@dataclass
+class HeldOut:
+    """What a drafter run evaluates at checkpoints: the rounds unrolled on its held-out sequences
+    (`rows` of the data), and real tau of `generate` on held-out suite `prompts`."""
+
+    rows: list[int]
+    prompts: list[list[int]]
+    stop_ids: list[int]
+    max_new_tokens: int
+
+
 class DrafterTask:
     """The shared loop's `Task`, plus JSON records: "draft" (loss and tau per round, per-slot accuracy, ETA)
     every `log_every` steps and "eval_slots" at each evaluation."""
 
-    def __init__(self, objective: DraftObjective, forward: nn.Module, batches: AnchorBatches, eval_rows: list[int],
-                 d: loop.Dist, out: Path, log_every: int, budget: dict, prompts: list, stop_ids: list[int],
-                 eval_tokens: int, device: torch.device | str = "cpu", amp: str = "float32"):
-        self.objective, self.forward, self.batches, self.eval_rows, self.d = objective, forward, batches, eval_rows, d
-        self.device, self.amp = device, getattr(torch, amp)
-        self.log, self.log_every, self.budget = loop.JsonLog(out / loop.LOG, d), log_every, budget
-        self.prompts, self.stop_ids, self.eval_tokens = prompts, stop_ids, eval_tokens
+    def __init__(self, objective: DraftObjective, forward: nn.Module, batches: AnchorBatches, d: loop.Dist,
+                 out: Path, run: loop.RunOptions, s: dict, held_out: HeldOut):
+        self.objective, self.forward, self.batches, self.d, self.held_out = objective, forward, batches, d, held_out
+        self.device, self.amp = loop.local_device(run.device), getattr(torch, s["amp"])
+        self.log, self.log_every = loop.JsonLog(out / loop.LOG, d), run.log_every
+        self.budget = {"steps": s["steps"], "minutes": s["minutes"]}
         self.window, self.t0, self.elapsed0, self.window_t = {}, time.perf_counter(), 0.0, time.perf_counter()
 
     def loss(self, step: int) -> tuple[torch.Tensor, int]:
@@ -115,8 +125,8 @@ class DrafterTask:
         """Rounds unrolled from each held-out sequence's prompt to its end: exactly the rounds `generate`
         runs on it (the continuation is the target's greedy one), so their mean acceptance is real tau."""
         b, sums = self.batches, {}
-        for k in range(0, len(self.eval_rows), b.per_rank):
-            rows = self.eval_rows[k:k + b.per_rank]
+        for k in range(0, len(self.held_out.rows), b.per_rank):
+            rows = self.held_out.rows[k:k + b.per_rank]
             ids, lengths, _, _ = collate(b.seqs, rows, 1, b.block, b.block, [""] * len(rows))
             truth = pad_truth(b.seqs, rows, ids.shape[1]).to(self.device) if b.seqs.truth is not None else None
             ids, lengths = ids.to(self.device), lengths.to(self.device)
@@ -134,7 +144,7 @@ class DrafterTask:
         drafter, out = self.objective.drafter, {}
         for suffix, off in [("", False), ("_norelay", True)][:2 if drafter.relay is not None else 1]:
             with relay_off(drafter, off):
-                sums = self.rollout() if self.eval_rows else {}
+                sums = self.rollout() if self.held_out.rows else {}
             if sums:
                 out[f"eval_tau{suffix}"] = float(sums["tau"] / sums["blocks"])
             if sums and not suffix:
@@ -142,8 +152,9 @@ class DrafterTask:
                 out |= {"eval_loss": float(sums["loss"] / sums["blocks"]), "eval_acc1": acc[0],
                         f"eval_acc{len(acc)}": acc[-1]}
                 self.log.write("eval_slots", slot_acc=[round(a, 4) for a in acc])
-        if self.prompts:
-            out |= heldout_tau(self.objective._frozen[0], drafter, self.prompts, self.eval_tokens, self.stop_ids)
+        h = self.held_out
+        if h.prompts:
+            out |= heldout_tau(self.objective._frozen[0], drafter, h.prompts, h.max_new_tokens, h.stop_ids)
         self.window_t = time.perf_counter()
         return out
 
@@ -156,31 +167,6 @@ class DrafterTask:
 
     def export(self, directory: Path) -> None:
         save_model(self.objective.drafter, directory)
-
-
-def resolve_settings(kind: str, given: dict, out: Path, resume: bool) -> tuple[dict, dict | None]:
-    """Defaults + CLI for a new run; the checkpoint's for a resumed one (a conflicting value is an error)."""
-    defaults = DFLASH_DEFAULTS if kind == "dflash" else DFLOW_DEFAULTS
-    unknown = set(given) - set(defaults)
-    if unknown:
-        raise InputError(f"{kind} does not take: {', '.join(sorted(unknown))}")
-    state = loop.read_state(out)
-    if not resume:
-        if state is not None:
-            raise InputError(f"{out}/{loop.CHECKPOINT} exists: pass --resume to continue it, or choose another --out")
-        settings = {k: (given.get(k) if given.get(k) is not None else v) for k, v in defaults.items()}
-        if (settings["steps"] is None) == (settings["minutes"] is None):
-            raise InputError("give exactly one of --steps and --minutes")
-        return settings, None
-    if state is None or state["run"].get("kind") != kind:
-        raise InputError(f"--resume: no {kind} checkpoint in {out}" + (f" (it holds a {state['run'].get('kind')} "
-                                                                        "run)" if state else ""))
-    settings = {**defaults, **state["run"]["settings"]}  # settings added since the run started keep their default
-    clash = [f"--{k.replace('_', '-')} {v} (checkpoint: {settings[k]})" for k, v in given.items()
-             if v is not None and v != settings[k]]
-    if clash:
-        raise InputError("--resume keeps the checkpoint's settings; conflicting: " + ", ".join(clash))
-    return settings, state
 
 
 def build_drafter(kind: str, target: Target, target_dir: Path, s: dict, given: dict | None = None) -> Drafter:
@@ -254,19 +240,18 @@ def check_init_shape(init: str, parent: Drafter, given: dict) -> None:
         raise InputError(f"--init {init} fixes the drafter's shape; conflicting: " + ", ".join(clash))
 
 
-def train_drafter(kind: str, target_dir: str | Path, data: str | Path, out: str | Path, batch: int = 4,
-                  resume: bool = False, threads: int | None = None, checkpoint_every: int = 500, log_every: int = 10,
-                  run_steps: int | None = None, eval_prompts: int = 8, eval_max_new_tokens: int = 64,
-                  device: str = "cpu", features: str | Path | None = None, **given) -> dict:
-    """Train (or resume) a `kind` ("dflash" or "dflow") drafter into `out`; `batch` is per rank.
-    `given` holds DFLASH/DFLOW_DEFAULTS keys (None = not given); `features` is a cache of the target's
-    features of `data` (`dflow_rt.train.features`). Returns the loop's final state."""
+def train_drafter(kind: str, target_dir: str | Path, data: str | Path, out: str | Path, run: loop.RunOptions,
+                  evaluation: tuple[int, int] = (8, 64), features: str | Path | None = None, **given) -> dict:
+    """Train (or resume) a `kind` ("dflash" or "dflow") drafter into `out`; `run.batch` is per rank.
+    `evaluation`: (held-out suite prompts, tokens each) for real tau at checkpoints. `given` holds
+    DFLASH/DFLOW_DEFAULTS keys (None = not given); `features` is a cache of the target's features of
+    `data` (`dflow_rt.train.features`). Returns the loop's final state."""
     out, target_dir = Path(out), Path(target_dir)
-    d = loop.init_distributed(device)
-    dev = loop.local_device(device)
-    threads = threads or max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", d.world)))
-    torch.set_num_threads(threads)
-    settings, state = resolve_settings(kind, given, out, resume)
+    d = loop.init_distributed(run.device)
+    dev = loop.local_device(run.device)
+    threads = run.set_threads(d)
+    settings, state = loop.resolve_settings(DFLASH_DEFAULTS if kind == "dflash" else DFLOW_DEFAULTS, given, out,
+                                            run.resume, kind)
     if settings.get("freeze_base"):
         if settings["base_first_round"] or given.get("base_lr_scale") not in (None, 0):
             raise InputError("--freeze-base trains the relay alone: no --base-first-round, no --base-lr-scale but 0")
@@ -292,7 +277,7 @@ def train_drafter(kind: str, target_dir: str | Path, data: str | Path, out: str 
     ddp = torch.nn.parallel.DistributedDataParallel
     forward = (ddp(objective, broadcast_buffers=False, device_ids=[dev] if dev.type == "cuda" else None)
                if d.world > 1 else objective)
-    global_batch = state["run"]["global_batch"] if state else batch * d.world
+    global_batch = state["run"]["global_batch"] if state else run.batch * d.world
     n_train = len(seqs) - s["eval_seqs"]
     if s["sequences"] is not None:
         if not 1 <= s["sequences"] <= n_train:
@@ -307,14 +292,11 @@ def train_drafter(kind: str, target_dir: str | Path, data: str | Path, out: str 
     batches = AnchorBatches(seqs, list(range(n_train)), global_batch, s["anchors"], B, objective.rounds, s["seed"],
                             d.rank, d.world, cached)
     tokenizer = load_tokenizer(target_dir) if (target_dir / "tokenizer.json").exists() else None
-    prompts = heldout_prompts(tokenizer, eval_prompts) if tokenizer and d.main else []
-    stops = stop_token_ids(tokenizer) if tokenizer else []
-    task = DrafterTask(objective, forward, batches, list(range(n_train, len(seqs))), d, out, log_every,
-                       {"steps": s["steps"], "minutes": s["minutes"]}, prompts, stops, eval_max_new_tokens, dev,
-                       s["amp"])
-    cfg = loop.LoopConfig(out=out, lr=s["lr"], total_steps=s["steps"], minutes=s["minutes"], warmup=s["warmup"],
-                          min_lr_ratio=s["min_lr_ratio"], clip=s["clip"], checkpoint_every=checkpoint_every,
-                          log_every=log_every, run_steps=run_steps)
+    held_out = HeldOut(list(range(len(seqs) - s["eval_seqs"], len(seqs))),
+                       heldout_prompts(tokenizer, evaluation[0]) if tokenizer and d.main else [],
+                       stop_token_ids(tokenizer) if tokenizer else [], evaluation[1])
+    task = DrafterTask(objective, forward, batches, d, out, run, s, held_out)
+    cfg = run.loop_config(out, s)
     info = {"kind": kind, "settings": settings, "global_batch": global_batch, "target": str(target_dir),
             "data": str(data), **digests, "gamma": gamma, "block_size": B, "target_layer_ids": list(layer_ids),
             "mask_token_id": drafter.config.mask_token_id, "params": sum(p.numel() for p in drafter.parameters()),

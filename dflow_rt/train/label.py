@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -112,20 +113,32 @@ def _read_shard(path: Path, meta: str) -> dict | None:
         return None
 
 
+@dataclass(frozen=True)
+class LabelText:
+    """Which texts `label` labels: text i of `seed` is the same in every run (kinds cycle through
+    `kinds`, 0 code / 1 math / 2 chat), cut at `max_tokens`; `shard` texts per progress shard."""
+
+    texts: int
+    seed: int = 0
+    kinds: tuple[int, ...] = (0, 1, 2, 0, 1, 2, 0, 2, 1, 0)
+    max_tokens: int = 512
+    shard: int = 256
+    tokens_per_batch: int = 4096
+
+
 def label(target_dir: str | Path, out: str | Path, features_out: str | Path, layer_ids: tuple[int, ...],
-          texts: int, seed: int = 0, kinds: tuple[int, ...] = (0, 1, 2, 0, 1, 2, 0, 2, 1, 0), max_tokens: int = 512,
-          shard: int = 256, tokens_per_batch: int = 4096, threads: int | None = None, device: str = "cpu",
-          dtype: str = "float32") -> dict:
-    """Label `texts` texts into `out` (sequences with `truth`) and `features_out`; returns the agreement
-    figures. Shards of `shard` texts under OUT.parts/ survive an interruption and are reused. A bfloat16
-    target labels about 3x faster on a CPU with BF16 instructions; its argmax is the float32 one's at
-    about 97.6 % of positions (SmolLM2-135M)."""
+          text: LabelText, threads: int | None = None, device: str = "cpu", dtype: str = "float32") -> dict:
+    """Label `text.texts` texts into `out` (sequences with `truth`) and `features_out`; returns the agreement
+    figures. Shards under OUT.parts/ survive an interruption and are reused. A bfloat16 target labels
+    about 3x faster on a CPU with BF16 instructions; its argmax is the float32 one's at about 97.6 %
+    of positions (SmolLM2-135M)."""
     from tqdm import tqdm
 
     from dflow_rt.models.checkpoint import load_target
     from dflow_rt.tokenizer import load_tokenizer
 
     target_dir, out, features_out = Path(target_dir), Path(out), Path(features_out)
+    texts, seed, kinds, max_tokens, shard = text.texts, text.seed, text.kinds, text.max_tokens, text.shard
     if texts < 1 or not kinds or any(k not in range(len(KINDS)) for k in kinds):
         raise InputError(f"need texts >= 1 and kinds among 0..{len(KINDS) - 1}")
     if threads:
@@ -149,7 +162,7 @@ def label(target_dir: str | Path, out: str | Path, features_out: str | Path, lay
             order = sorted(range(count), key=lambda j: -len(items[j][1]))
             truths, feats, k = [None] * count, [None] * count, 0
             while k < count:
-                rows = order[k:k + max(1, tokens_per_batch // len(items[order[k]][1]))]
+                rows = order[k:k + max(1, text.tokens_per_batch // len(items[order[k]][1]))]
                 t, f = label_batch(target, [items[j][1] for j in rows], layer_ids, device)
                 for j, tj, fj in zip(rows, t, f, strict=True):
                     truths[j], feats[j] = tj, fj

@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, load_model, save_file, save_model
 
+from dflow_rt.errors import InputError
+
 CHECKPOINT = "checkpoint"
 LOG = "train_log.jsonl"
 PLAN_SKIP, PLAN_STEPS = 3, 20  # a --minutes run times steps PLAN_SKIP..PLAN_STEPS of its first invocation
@@ -99,6 +101,58 @@ class LoopConfig:
     checkpoint_every: int = 500
     log_every: int = 10
     run_steps: int | None = None  # stop (with a checkpoint) after this many steps of this invocation
+
+
+@dataclass
+class RunOptions:
+    """How one invocation runs, not what it trains: none of these is part of a run's identity
+    (a resumed run may change them), except `batch`, fixed by the first invocation's global batch."""
+
+    batch: int = 4  # sequences per step per rank
+    resume: bool = False
+    threads: int | None = None  # torch threads per rank [cores / ranks]
+    checkpoint_every: int = 500
+    log_every: int = 10
+    run_steps: int | None = None  # stop (with a checkpoint) after this many steps of this invocation
+    device: str = "cpu"
+
+    def set_threads(self, d: Dist) -> int:
+        threads = self.threads or max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", d.world)))
+        torch.set_num_threads(threads)
+        return threads
+
+    def loop_config(self, out: Path, s: dict) -> LoopConfig:
+        """The loop's settings from the run's (`s`: lr, steps or minutes, warmup, min_lr_ratio, clip)."""
+        return LoopConfig(out=out, lr=s["lr"], total_steps=s["steps"], minutes=s["minutes"], warmup=s["warmup"],
+                          min_lr_ratio=s["min_lr_ratio"], clip=s["clip"], checkpoint_every=self.checkpoint_every,
+                          log_every=self.log_every, run_steps=self.run_steps)
+
+
+def resolve_settings(defaults: dict, given: dict, out: Path, resume: bool, kind: str | None = None
+                     ) -> tuple[dict, dict | None]:
+    """A run's settings: `defaults` + `given` (the CLI's, None = not given) for a new run; the
+    checkpoint's for a resumed one, where an explicit conflicting value is an error (silently
+    changing a run would break exact resume). `kind` must match the checkpoint's when given."""
+    unknown = set(given) - set(defaults)
+    if unknown:
+        raise InputError(f"{kind or 'this run'} does not take: {', '.join(sorted(unknown))}")
+    state = read_state(out)
+    if not resume:
+        if state is not None:
+            raise InputError(f"{out}/{CHECKPOINT} exists: pass --resume to continue it, or choose another --out")
+        settings = {k: (given.get(k) if given.get(k) is not None else v) for k, v in defaults.items()}
+        if (settings["steps"] is None) == (settings["minutes"] is None):
+            raise InputError("give exactly one of --steps and --minutes")
+        return settings, None
+    if state is None or (kind is not None and state["run"].get("kind") != kind):
+        held = f" (it holds a {state['run'].get('kind')} run)" if state else ""
+        raise InputError(f"--resume: no {kind + ' ' if kind else ''}checkpoint in {out}{held}")
+    settings = {**defaults, **state["run"]["settings"]}  # settings added since the run started keep their default
+    clash = [f"--{k.replace('_', '-')} {v} (checkpoint: {settings[k]})" for k, v in given.items()
+             if v is not None and v != settings[k]]
+    if clash:
+        raise InputError("--resume keeps the checkpoint's settings; conflicting: " + ", ".join(clash))
+    return settings, state
 
 
 class Task(Protocol):

@@ -103,41 +103,17 @@ def tokenizer_digest(directory: str | Path) -> str:
     return hashlib.sha256((Path(directory) / "tokenizer.json").read_bytes()).hexdigest()[:16]
 
 
-def resolve_settings(given: dict, out: Path, resume: bool) -> tuple[dict, dict | None]:
-    """The run's settings: defaults + CLI for a new run, the checkpoint's for a resumed one (a
-    conflicting explicit CLI value is an error: silently changing a run would break exact resume)."""
-    state = loop.read_state(out)
-    if not resume:
-        if state is not None:
-            raise InputError(f"{out}/{loop.CHECKPOINT} exists: pass --resume to continue it, or choose another --out")
-        settings = {k: (given.get(k) if given.get(k) is not None else v) for k, v in TARGET_DEFAULTS.items()}
-        if (settings["steps"] is None) == (settings["minutes"] is None):
-            raise InputError("give exactly one of --steps and --minutes")
-        return settings, None
-    if state is None:
-        raise InputError(f"--resume: no checkpoint in {out}")
-    settings = state["run"]["settings"]
-    clash = [f"--{k.replace('_', '-')} {v} (checkpoint: {settings[k]})" for k, v in given.items()
-             if k in settings and v is not None and v != settings[k]]
-    if clash:
-        raise InputError("--resume keeps the checkpoint's settings; conflicting: " + ", ".join(clash))
-    return settings, state
-
-
-def train_target(tokenizer_dir: str | Path, out: str | Path, batch: int = 16, resume: bool = False,
-                 threads: int | None = None, checkpoint_every: int = 500, log_every: int = 10,
-                 run_steps: int | None = None, **given) -> dict:
-    """Pretrain (or resume) a target into `out`; `batch` is per rank (global = batch x world size).
+def train_target(tokenizer_dir: str | Path, out: str | Path, run: loop.RunOptions, **given) -> dict:
+    """Pretrain (or resume) a target into `out`; `run.batch` is per rank (global = batch x world size).
     `given` holds TARGET_DEFAULTS keys (None = not given). Returns the loop's final state."""
     from dflow_rt.tokenizer import load_tokenizer
 
     out = Path(out)
     d = loop.init_distributed()
-    threads = threads or max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", d.world)))
-    torch.set_num_threads(threads)
+    threads = run.set_threads(d)
     os.environ.setdefault("RAYON_NUM_THREADS", str(threads))  # the tokenizer's pool, created on first use
-    settings, state = resolve_settings(given, out, resume)
-    global_batch = state["run"]["global_batch"] if state else batch * d.world
+    settings, state = loop.resolve_settings(TARGET_DEFAULTS, given, out, run.resume)
+    global_batch = state["run"]["global_batch"] if state else run.batch * d.world
     digest = tokenizer_digest(tokenizer_dir)
     if state and state["run"]["tokenizer_sha256"] != digest:
         raise InputError(f"--tokenizer {tokenizer_dir} differs from the one the checkpoint was trained with")
@@ -151,9 +127,7 @@ def train_target(tokenizer_dir: str | Path, out: str | Path, batch: int = 16, re
     mix = Mix(math_docs=s["math_per_epoch"], math_chats=s["math_chat_per_epoch"], max_files=s["max_files"])
     stream = PackedStream(tokenizer, s["seq_len"], global_batch, s["seed"], mix, d.rank, d.world)
     task = TargetTask(model, forward, stream, tokenizer, s["eval_windows"], max(1, global_batch // d.world))
-    cfg = loop.LoopConfig(out=out, lr=s["lr"], total_steps=s["steps"], minutes=s["minutes"], warmup=s["warmup"],
-                          min_lr_ratio=s["min_lr_ratio"], clip=s["clip"], checkpoint_every=checkpoint_every,
-                          log_every=log_every, run_steps=run_steps)
+    cfg = run.loop_config(out, s)
     info = {"settings": settings, "global_batch": global_batch, "tokenizer_sha256": digest,
             "params": sum(p.numel() for p in model.parameters()), "mix": asdict(mix)}
     if d.main and not state:

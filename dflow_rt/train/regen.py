@@ -9,6 +9,7 @@ sequence file (`dflow_rt.train.sequences`).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -50,19 +51,33 @@ def greedy_batch(target: Target, prompts: list[list[int]], max_new_tokens: int, 
     return out
 
 
-def regenerate(target_dir: str | Path, out: str | Path, prompts: int = 2000, max_new_tokens: int = 256,
-               seed: int = 0, batch: int = 16, max_prompt_tokens: int = 128, stop_tail: int = 16,
-               threads: int | None = None, device: str = "cpu", first_prompt: int = 0) -> Path:
-    """Write `out` with training prompts first_prompt .. first_prompt + prompts - 1 (prompt i is the same
-    in every run with this seed, so a later range is data no earlier run has seen); progress is saved to
-    `out.partial` after every batch, and a rerun continues from it."""
+@dataclass(frozen=True)
+class RegenSettings:
+    """What a regen file holds: training prompts first_prompt .. first_prompt + prompts - 1 of `seed`
+    (prompt i is the same in every run with this seed, so a later range is data no earlier run has
+    seen), each continued greedily for up to `max_new_tokens`, decoded `batch` at a time."""
+
+    prompts: int = 2000
+    max_new_tokens: int = 256
+    seed: int = 0
+    batch: int = 16
+    max_prompt_tokens: int = 128  # longer prompts keep their end
+    stop_tail: int = 16  # tokens kept after the first stop token
+    first_prompt: int = 0
+
+
+def regenerate(target_dir: str | Path, out: str | Path, settings: RegenSettings = RegenSettings(),
+               threads: int | None = None, device: str = "cpu") -> Path:
+    """Write `out` with the target's greedy continuations of the training prompts `settings` names;
+    progress is saved to `out.partial` after every batch, and a rerun continues from it."""
     from tqdm import tqdm
 
     from dflow_rt.models.checkpoint import load_target
     from dflow_rt.tokenizer import load_tokenizer, stop_token_ids
 
-    if first_prompt < 0:
-        raise InputError(f"--first-prompt must be >= 0, got {first_prompt}")
+    r = settings
+    if r.first_prompt < 0:
+        raise InputError(f"--first-prompt must be >= 0, got {r.first_prompt}")
     if threads:
         torch.set_num_threads(threads)
     out = Path(out)
@@ -70,11 +85,11 @@ def regenerate(target_dir: str | Path, out: str | Path, prompts: int = 2000, max
     tokenizer = load_tokenizer(target_dir)
     target = load_target(target_dir, device=device)
     stops = stop_token_ids(tokenizer)
-    meta = {"target": str(target_dir), "target_digest": model_digest(target_dir), "prompts": prompts,
-            "max_new_tokens": max_new_tokens, "seed": seed, "max_prompt_tokens": max_prompt_tokens,
-            "stop_tail": stop_tail, "stop_ids": stops, "kinds": list(KINDS), "vocab_size": target.config.vocab_size}
-    if first_prompt:  # absent when 0: files written before the option stay byte-identical to new ones
-        meta["first_prompt"] = first_prompt
+    meta = {"target": str(target_dir), "target_digest": model_digest(target_dir), "prompts": r.prompts,
+            "max_new_tokens": r.max_new_tokens, "seed": r.seed, "max_prompt_tokens": r.max_prompt_tokens,
+            "stop_tail": r.stop_tail, "stop_ids": stops, "kinds": list(KINDS), "vocab_size": target.config.vocab_size}
+    if r.first_prompt:  # absent when 0: files written before the option stay byte-identical to new ones
+        meta["first_prompt"] = r.first_prompt
     seqs, plens, kinds = [], [], []
     if partial.exists():
         done = load_sequences(partial)
@@ -82,11 +97,11 @@ def regenerate(target_dir: str | Path, out: str | Path, prompts: int = 2000, max
             seqs = [done[i].tolist() for i in range(len(done))]
             plens, kinds = done.prompt_lens.tolist(), done.kinds.tolist()
     out.parent.mkdir(parents=True, exist_ok=True)
-    bar = tqdm(total=prompts, initial=len(seqs), unit="prompt", smoothing=0.1)
-    while len(seqs) < prompts:
-        items = [training_prompt(tokenizer, seed, first_prompt + i, max_prompt_tokens)
-                 for i in range(len(seqs), min(prompts, len(seqs) + batch))]
-        conts = greedy_batch(target, [ids for _, ids in items], max_new_tokens, set(stops), stop_tail)
+    bar = tqdm(total=r.prompts, initial=len(seqs), unit="prompt", smoothing=0.1)
+    while len(seqs) < r.prompts:
+        items = [training_prompt(tokenizer, r.seed, r.first_prompt + i, r.max_prompt_tokens)
+                 for i in range(len(seqs), min(r.prompts, len(seqs) + r.batch))]
+        conts = greedy_batch(target, [ids for _, ids in items], r.max_new_tokens, set(stops), r.stop_tail)
         for (kind, ids), cont in zip(items, conts, strict=True):
             seqs.append(ids + cont)
             plens.append(len(ids))
