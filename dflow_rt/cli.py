@@ -203,8 +203,8 @@ def parser() -> argparse.ArgumentParser:
     c.set_defaults(run=cmd_convert)
     b = sub.add_parser("bench", help="benchmarks (figures for docs/RESULTS.md)")
     b.add_argument("--suite", choices=["runtime", "e2e", "serve"], default="runtime",
-                   help="runtime: phases of a round per mode; e2e: ours against transformers and prompt lookup; "
-                        "serve: a load test of `dflow-rt serve` on loopback")
+                   help="runtime: phases of a round per mode; e2e: ours against transformers, prompt lookup and "
+                        "llama.cpp; serve: a load test of `dflow-rt serve` on loopback")
     b.add_argument("--target", default=None, help="[the bundled target, with the bundled DFlash drafter]")
     b.add_argument("--drafter", default=None, help="dflash, dflow (bundled) or a drafter directory")
     b.add_argument("--random-models", action="store_true", help="random models of the bundled size instead")
