@@ -57,14 +57,14 @@ def main() -> None:
         print(f"| {n} | " + " | ".join(cells) + " |")
         out["points"].append({"sequences": n,
                               **{s: {"tau": res[s]["tau"], "tau_se": res[s]["tau_se"]} for s in suites}})
-    for s in suites:
+    for s in suites if len(points) > 1 else ():
         a, b = fit([math.log2(n) for n, _ in points], [res[s]["tau"] for _, res in points])
         need = 2 ** ((goals[s] - a) / b) if s in goals and b > 0 else None
         out["fits"][s] = {"a": a, "b_per_doubling": b, "goal": goals.get(s), "sequences_for_goal": need}
         print(f"{s}: tau = {a:.3f} + {b:.3f} log2(N)" + (f"; goal {goals[s]} at N = {need:,.0f}" if need else ""))
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
-    if args.plot:
+    if args.plot and len(points) > 1:
         import matplotlib
 
         matplotlib.use("Agg")
