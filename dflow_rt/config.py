@@ -48,9 +48,10 @@ class RuntimeConfig:
     emit_mask_token: by default the target never chooses the drafter's mask token (it is no text,
     and a block would read it as a hole); True lets it, as the public DFlash implementation does,
     which matters only where the mask token is an ordinary vocabulary entry (tiny test models).
-    freeze: inductor folds the weights into the compiled rounds as constants (prepacked for the CPU
-    GEMM library, projections of one input merged); torch's caches cannot keep such rounds, so every
-    Runtime compiles afresh (see `graphs.runner.compiling` and the figures in docs/RESULTS.md).
+    freeze: inductor folds the weights into the compiled rounds as constants (prepacked; on CPU each
+    product also autotunes inductor's C++ GEMM templates, which stream batch-1 weights about twice as
+    fast as the GEMM library); torch's caches cannot keep such rounds, so every Runtime compiles
+    afresh, for minutes (see `graphs.runner.compiling` and the figures in docs/RESULTS.md).
     compile_cache: `compile` and `cudagraph` rounds are kept on disk (`dflow_rt.graphs.compile_cache`)
     and a later Runtime of the same shapes starts from them in seconds; False compiles afresh.
     memory_limit: construction refuses a state (KV caches, relay buffer, rotary tables) larger

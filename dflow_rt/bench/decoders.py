@@ -35,11 +35,11 @@ Runner = Callable[[list[list[int]], int], Run]  # (prompts of one group, max_new
 
 
 def runtime_runner(target, drafter, mode: str, batch: int, max_len: int, stops: Sequence[int],
-                   verify_width: int | None = None, compiler: str = "inductor") -> Runner:
+                   verify_width: int | None = None, compiler: str = "inductor", freeze: bool = False) -> Runner:
     """A Runtime with exactly one batch bucket, built (and compiled) now, so that building is
     never timed; a call admits its prompts together, as a server would admit a full batch."""
     config = RuntimeConfig(max_batch=batch, max_len=max_len, mode=mode, batch_buckets=(batch,),
-                           verify_width=verify_width, compiler=compiler, tuned=False)
+                           verify_width=verify_width, compiler=compiler, freeze=freeze, tuned=False)
     rt = Runtime(target, drafter, config)
 
     def run(prompts: list[list[int]], max_new: int) -> Run:

@@ -81,6 +81,9 @@ def add_e2e_args(p: argparse.ArgumentParser) -> None:
                    help="e2e: JSON list of token-id lists, instead of HumanEval (targets without a tokenizer)")
     p.add_argument("--compiler", default="inductor", help="e2e: torch.compile's backend for `compile` rows")
     p.add_argument("--plots", default=None, metavar="DIR", help="e2e: write PNG plots there (needs matplotlib)")
+    p.add_argument("--freeze", action="store_true",
+                   help="e2e: compiled rows with frozen weights (on CPU with inductor's C++ GEMM templates; "
+                   "compiled at every start)")
     p.add_argument("--no-llama-cpp", action="store_true",
                    help="e2e: skip the llama.cpp rows (run when llama-cpp-python is installed: the llamacpp extra)")
 
@@ -100,7 +103,7 @@ def run_e2e(args: argparse.Namespace) -> dict:
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
     settings = {"prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "modes": modes,
                 "batches": args.batches, "dtypes": dtypes, "verify_widths": args.verify_widths,
-                "prompt_lookup": args.prompt_lookup, "compiler": args.compiler,
+                "prompt_lookup": args.prompt_lookup, "compiler": args.compiler, "freeze": args.freeze,
                 "threads": torch.get_num_threads(), "timing": "medians over calls; decode tokens/s = tokens after "
                 "the first emission / time after it; speedup = ratio of those medians"}
     result = {"suite": "e2e", "machine": machine(device), "settings": settings, "notes": notes, "rows": [],
@@ -174,11 +177,11 @@ def bench_target(spec: str, args, device: torch.device, modes: list[str], dtypes
     for dtype, mode, batch in tqdm(builds, desc=f"{spec}: building", leave=False):
         target = targets[dtype]
         methods.append(Method("ar", mode, batch, dtype, runtime_runner(
-            target, None, mode, batch, max_len, stops, compiler=args.compiler)))
+            target, None, mode, batch, max_len, stops, compiler=args.compiler, freeze=args.freeze)))
         for name, drafter in drafters.get(dtype, {}).items():
             k = best_width(widths[name][batch])
             methods.append(Method(name, mode, batch, dtype, runtime_runner(
-                target, drafter, mode, batch, max_len, stops, k, args.compiler), name, k))
+                target, drafter, mode, batch, max_len, stops, k, args.compiler, args.freeze), name, k))
     for dtype in dtypes:
         for name, drafter in drafters.get(dtype, {}).items():
             methods.append(Method("reference", "eager", 1, dtype, reference_runner(targets[dtype], drafter, stops),

@@ -80,11 +80,16 @@ def compiling(compiler: str, device: torch.device, freeze: bool = False) -> cont
     weights into the graph as constants (prepacked for the CPU GEMM library, projections of one
     input merged into one GEMM), but torch's caches cannot store a frozen graph, so every start
     compiles again; unfrozen rounds start from the cache in seconds and decode 10-24 % slower on
-    CPU (docs/RESULTS.md, "Compiled start")."""
+    CPU (docs/RESULTS.md, "Compiled start"). Frozen on CPU, each product also tries inductor's C++
+    GEMM templates against the GEMM library and keeps the faster: at batch 1 the template streams
+    the weights at about the machine's read bandwidth, the library at about half of it
+    (`bench/cpu_gemv.py`)."""
     if compiler != "inductor":
         return contextlib.nullcontext()
     cpu = device.type == "cpu"
-    return torch._inductor.config.patch({"freezing": freeze, "cpp_wrapper": cpu, "cpp.enable_concat_linear": cpu})
+    templates = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"} if freeze and cpu else {}
+    return torch._inductor.config.patch({"freezing": freeze, "cpp_wrapper": cpu, "cpp.enable_concat_linear": cpu,
+                                         **templates})
 
 
 def mark_length_dynamic(view: DecodeState) -> None:
