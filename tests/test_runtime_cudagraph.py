@@ -2,7 +2,7 @@
 emits exactly the tokens of the eager Runtime and of the reference round, greedy and sampled, with
 requests joining and leaving rows between replays. CUDA only: elsewhere every test here is skipped.
 
-The reference fixture's models are loaded afresh onto the GPU (the session's pair stays on the CPU).
+The reference fixture's models are loaded afresh onto the GPU (the pair the other tests share stays on the CPU).
 """
 
 from __future__ import annotations
