@@ -42,17 +42,20 @@ def cmd_generate(args: argparse.Namespace) -> None:
     out = run_one(rt, ids, args.max_new_tokens, stop_token_ids(tokenizer))
     text = tokenizer.decode(out.token_ids, skip_special_tokens=True)
     stats = {"tau": round(out.tau, 4), "tokens_per_s": round(out.decode_tokens_per_s, 2),
-             "rounds": len(out.acceptance_lengths)}
+             "rounds": len(out.acceptance_lengths) + out.plain_steps, "plain_steps": out.plain_steps}
     if args.json:
         print(json.dumps({"text": text, "token_ids": out.token_ids, "prompt_ids": list(ids),
                           "acceptance_lengths": out.acceptance_lengths, **stats, "mode": rt.config.mode,
-                          "verify_width": rt.config.verify_width, "threads": torch.get_num_threads(),
+                          "verify_width": rt.config.verify_width, "ar_fallback": rt.plan.ar_fallback,
+                          "threads": torch.get_num_threads(),
                           "dtype": str(target.lm_head.weight.dtype).removeprefix("torch."),
                           "setup_s": round(setup_s, 4), "first_step_s": round(out.first_step_seconds, 4),
                           "decode_s": round(out.decode_seconds, 4)}))
     else:
         print(text)
-        print(f"\ntau {stats['tau']:.2f} | decode {stats['tokens_per_s']:.1f} tokens/s | {stats['rounds']} rounds",
+        plain = f" ({out.plain_steps} plain target steps: drafting did not pay)" if out.plain_steps else ""
+        print(f"\ntau {stats['tau']:.2f} | decode {stats['tokens_per_s']:.1f} tokens/s | "
+              f"{stats['rounds']} rounds{plain}",
               file=sys.stderr if args.quiet_stats else sys.stdout)
 
 
@@ -164,6 +167,9 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--verify-width", type=int, default=None, metavar="K",
                    help="verify only the first K drafted positions: fewer cost less on CPU, any K is lossless "
                         "[the tuned one, else per device: 2 on CPU in float32, 4 in bfloat16, the block on CUDA]")
+    g.add_argument("--ar-fallback", action=argparse.BooleanOptionalAction, default=None,
+                   help="step the target alone while drafted rounds decode slower than that, as timed on the "
+                        "running rounds; lossless either way [on on CPU unless --verify-width is given]")
     g.add_argument("--mode", choices=MODES, default=None,
                    help="eager starts at once; compile (torch.compile: minutes the first time, seconds from its "
                         "disk cache after) decodes faster; cudagraph needs CUDA [the tuned one, else compile on "

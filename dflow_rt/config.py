@@ -14,9 +14,9 @@ AUTO = "auto"  # a field the Runtime chooses at start: the autotune file's knob,
 # What "auto" becomes where no autotune entry exists for the models on this device, per device class
 # (device type, weight dtype; None = any dtype). Figures behind each choice: docs/RESULTS.md, "Defaults".
 DEVICE_DEFAULTS: dict[tuple[str, str | None], dict] = {
-    ("cpu", "float32"): {"mode": "compile", "verify_width": 2},
-    ("cpu", "bfloat16"): {"mode": "compile", "verify_width": 4},
-    ("cuda", None): {"mode": "cudagraph", "verify_width": None},
+    ("cpu", "float32"): {"mode": "compile", "verify_width": 2, "ar_fallback": True},
+    ("cpu", "bfloat16"): {"mode": "compile", "verify_width": 4, "ar_fallback": True},
+    ("cuda", None): {"mode": "cudagraph", "verify_width": None, "ar_fallback": False},
 }
 
 
@@ -52,6 +52,12 @@ class RuntimeConfig:
     product also autotunes inductor's C++ GEMM templates, which stream batch-1 weights about twice as
     fast as the GEMM library); torch's caches cannot keep such rounds, so every Runtime compiles
     afresh, for minutes (see `graphs.runner.compiling` and the figures in docs/RESULTS.md).
+    ar_fallback: while drafted rounds decode fewer tokens per second than the target stepping alone
+    would, as timed on the running rounds, step it alone (a round of verify width 1 without the draft
+    pass; `dflow_rt.fallback`), and retry drafting at growing intervals. Lossless either way; the
+    plain steps are counted apart from the drafted rounds' acceptance. `auto`: DEVICE_DEFAULTS (on
+    for CPU) where verify_width is `auto` too, else off (a width given is a width kept). Never with
+    FlashInfer attention, whose host-side plan is made per verify width.
     compile_cache: `compile` and `cudagraph` rounds are kept on disk (`dflow_rt.graphs.compile_cache`)
     and a later Runtime of the same shapes starts from them in seconds; False compiles afresh.
     memory_limit: construction refuses a state (KV caches, relay buffer, rotary tables) larger
@@ -73,6 +79,7 @@ class RuntimeConfig:
     kernels: str | dict[str, str] = "auto"
     compile_cache: bool = True
     freeze: bool = False
+    ar_fallback: bool | str = AUTO
 
     def widths(self, block_size: int) -> dict[int, int]:
         """Verify width k per batch bucket: the drafter drafts all B slots, the target checks the first

@@ -33,7 +33,8 @@ def runtime_config(args: argparse.Namespace, tuned, block: int, **sizes):
     from dflow_rt.tuned import apply
 
     config = RuntimeConfig(**sizes, block_size=args.block_size, mode=args.mode or AUTO,
-                           verify_width=AUTO if args.verify_width is None else args.verify_width, tuned=False)
+                           verify_width=AUTO if args.verify_width is None else args.verify_width, tuned=False,
+                           ar_fallback=AUTO if getattr(args, "ar_fallback", None) is None else args.ar_fallback)
     return apply(config, tuned, block)
 
 

@@ -42,10 +42,11 @@ class GenerateOutput:
     first_step_seconds: float = 0.0  # prefill (the reference); prefill and the first round (a Runtime)
     decode_seconds: float = 0.0  # every later round
     first_step_tokens: int = 1  # tokens the first step emitted
+    plain_steps: int = 0  # rounds without drafting (a Runtime's `ar_fallback`), not in acceptance_lengths
 
     @property
     def tau(self) -> float:
-        """Mean acceptance length per round, counting the bonus token."""
+        """Mean acceptance length per drafted round, counting the bonus token."""
         return sum(self.acceptance_lengths) / max(len(self.acceptance_lengths), 1)
 
     @property

@@ -13,6 +13,7 @@ import itertools
 import logging
 import random
 import threading
+import time
 from collections import deque
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -22,6 +23,7 @@ import torch
 
 from dflow_rt.config import RuntimeConfig
 from dflow_rt.errors import BusyError, InputError, RequestError
+from dflow_rt.fallback import ArFallback
 from dflow_rt.graphs.plan import RoundPlan
 from dflow_rt.graphs.runner import build_rounds
 from dflow_rt.graphs.state import DecodeState
@@ -47,7 +49,8 @@ class Request:
     row: int = -1
     position: int = 0  # absolute position of the next round's block slot 0 (the device's `start`)
     emitted: list[int] = field(default_factory=list)
-    acceptance: list[int] = field(default_factory=list)  # tokens per round (accepted drafts + bonus)
+    acceptance: list[int] = field(default_factory=list)  # tokens per drafted round (accepted drafts + bonus)
+    plain_steps: int = 0  # rounds in which the target stepped alone (`RuntimeConfig.ar_fallback`): a token each
     finished: bool = False
     error: str | None = None  # why the request failed, if it did (it is also finished)
     delivered: int = 0  # tokens of `emitted` that `stream` has yielded: the rest wait here for it
@@ -69,6 +72,7 @@ class Runtime:
             self.state = DecodeState.allocate(target, drafter, c.max_batch, c.max_len, plan.block_size)
             with torch.inference_mode(), self._compile_cache():
                 self.rounds = build_rounds(target, drafter, self.state, plan, before)
+        self.fallback = ArFallback() if plan.ar_fallback else None
         self.waiting: deque[Request] = deque()
         self.free_rows = list(range(c.max_batch))  # a heap: lowest rows first keeps buckets small
         self.requests: dict[int, Request] = {}
@@ -192,27 +196,37 @@ class Runtime:
         if not live:
             return {}
         n, length = self.bucket(max(r.row for r in live) + 1, max(r.position for r in live))
-        greedy = (n, length, True) in self.rounds and all(r.temperature == 0 for r in live)
-        self.rounds[n, length, greedy]()
+        greedy = (n, length, True, self.plan.widths[n]) in self.rounds and all(r.temperature == 0 for r in live)
+        drafted = self.fallback is None or self.fallback.drafted(n)
+        t0 = time.perf_counter()
+        self.rounds[n, length, greedy, self.plan.widths[n] if drafted else 1]()
         out = self.state.out[:n].tolist()  # the one host read of the round; the last column flags faults
+        seconds = time.perf_counter() - t0
         for row, values in enumerate(out):
             if values[-1] and self.rows[row] is None:  # padding that went non-finite: clean before reuse
                 self.state.clean(row)
-        result = {}
+        result, made = {}, []
         for req in live:
             if out[req.row][-1]:
                 result[req.rid] = []
                 self._fail(req, FAULT)
                 continue
             count = out[req.row][0]
-            req.acceptance.append(count - (0 if req.emitted else 1))  # the first round also reports prefill's token
-            req.position += req.acceptance[-1]
+            new = count - (0 if req.emitted else 1)  # the first round also reports prefill's token
+            req.position += new
+            made.append(new)
+            if drafted:
+                req.acceptance.append(new)
+            else:
+                req.plain_steps += 1
             tokens, stopped = cut_at_stop(out[req.row][1:1 + count][: req.max_new_tokens - len(req.emitted)], req.stop)
             req.finished |= stopped
             req.emitted += tokens
             result[req.rid] = tokens
             if req.finished or len(req.emitted) >= req.max_new_tokens:
                 self._finish(req)
+        if self.fallback is not None and made:
+            self.fallback.record(n, drafted, seconds, sum(made) / len(made))
         return result
 
     def stream(self, prompt_ids, **kwargs) -> Iterator[list[int]]:

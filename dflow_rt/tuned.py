@@ -153,6 +153,8 @@ def apply(config: RuntimeConfig, tuned: TunedConfig | None, block_size: int | No
     if config.mode == AUTO:
         changes["mode"] = tuned.mode
     if config.verify_width == AUTO:
+        if config.ar_fallback == AUTO:  # the widths are the Runtime's choice, so is leaving them
+            changes["ar_fallback"] = tuned.mode != "cudagraph"
         changes["verify_width"] = None  # the job measured the whole block
         if tuned.verify_width:
             measured = dict(tuned.verify_width)
@@ -179,14 +181,18 @@ def tuned_for(config: RuntimeConfig, target, drafter=None) -> RuntimeConfig:
 def resolve(config: RuntimeConfig, target, drafter=None) -> RuntimeConfig:
     """`config` with every "auto" field chosen for these models where they sit: the autotune file's
     knobs when `config.tuned` finds some, else DEVICE_DEFAULTS for the device and dtype (a default
-    verify width no wider than the block: 1 without a drafter)."""
+    verify width no wider than the block: 1 without a drafter). The fallback to plain steps is the
+    Runtime's only where the verify width is too: a width given is a width kept."""
     c = config
+    if c.ar_fallback == AUTO and c.verify_width != AUTO:
+        c = dataclasses.replace(c, ar_fallback=False)
     if c.tuned and AUTO in (c.mode, c.verify_width, c.kernels):
         c = tuned_for(c, target, drafter)
     weight = target.lm_head.weight
     dtype = str(weight.dtype).removeprefix("torch.")
     defaults = DEVICE_DEFAULTS.get((weight.device.type, dtype)) or DEVICE_DEFAULTS.get((weight.device.type, None))
-    defaults = dict(defaults or {"mode": "eager", "verify_width": None})
+    defaults = dict(defaults or {"mode": "eager", "verify_width": None, "ar_fallback": False})
+    defaults["ar_fallback"] &= drafter is not None
     block = c.block_size or (drafter.block_size if drafter is not None else 1)
     if defaults["verify_width"] is not None:
         defaults["verify_width"] = min(defaults["verify_width"], block)

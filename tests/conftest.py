@@ -11,6 +11,10 @@ settings.register_profile("dev", deadline=None)
 # On a GPU machine (HYPOTHESIS_PROFILE=gpu): the kernel tests run compiled, so explore far more.
 settings.register_profile("gpu", derandomize=True, deadline=None, print_blob=True, max_examples=500)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+# Without CUDA the Triton kernels run in Triton's interpreter; triton reads the switch when first
+# imported, which torch.compile may do in any test before the kernel tests run.
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
 # Tiny models are dispatch-bound: one thread avoids oversubscribing the two CI cores.
 torch.set_num_threads(1)
 

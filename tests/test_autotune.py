@@ -127,18 +127,20 @@ def test_auto_fields_take_the_tuned_knobs_else_the_device_defaults(tmp_path, mon
     assert (plain.mode, plain.verify_width, plain.tuned) == (AUTO, AUTO, True)
     cpu = DEVICE_DEFAULTS["cpu", "float32"]
     resolved = resolve(plain, target, drafter)
-    assert (resolved.mode, resolved.verify_width) == (cpu["mode"], cpu["verify_width"])
+    assert (resolved.mode, resolved.verify_width, resolved.ar_fallback) == (cpu["mode"], cpu["verify_width"], True)
+    assert resolve(RuntimeConfig(verify_width=4), target, drafter).ar_fallback is False  # a width given is kept
+    assert resolve(plain, target, None).ar_fallback is False  # nothing to fall back from
     knobs = {"mode": "eager", "threads": 1, "length_step": None, "buckets": {"1": {"verify_width": 5}}}
     store({"dtype": "float32", "knobs": {"float32": knobs}}, entry_key(TARGET, DRAFTER), configs.device_name("cpu"),
           tmp_path)
     tuned = resolve(RuntimeConfig(max_batch=2), target, drafter)
-    assert (tuned.mode, tuned.verify_width) == ("eager", {1: 5, 2: 5})
+    assert (tuned.mode, tuned.verify_width, tuned.ar_fallback) == ("eager", {1: 5, 2: 5}, True)
     mine = resolve(RuntimeConfig(max_batch=2, mode="compile"), target, drafter)
     assert (mine.mode, mine.verify_width) == ("compile", {1: 5, 2: 5})
     off = resolve(RuntimeConfig(tuned=False), target, drafter)
     assert (off.mode, off.verify_width) == (cpu["mode"], cpu["verify_width"])
     half = resolve(RuntimeConfig(), copy.deepcopy(target).to(torch.bfloat16), drafter)  # no bf16 entry: bf16 defaults
-    assert (half.mode, half.verify_width) == tuple(DEVICE_DEFAULTS["cpu", "bfloat16"].values())
+    assert (half.mode, half.verify_width, half.ar_fallback) == tuple(DEVICE_DEFAULTS["cpu", "bfloat16"].values())
 
 
 def test_axes_vary_one_knob_or_a_joint_pair():

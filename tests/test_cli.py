@@ -67,6 +67,9 @@ def test_generate_takes_the_autotune_knobs_and_flags_win(capsys, tmp_path, monke
     default, err = generate("--tuned")
     assert "runtime defaults" in err and default["verify_width"] == width and default["dtype"] == "float32"
     assert max(default["acceptance_lengths"]) == width and generate()[1] == ""  # no file, no flag: silent
+    assert default["ar_fallback"] and default["rounds"] == len(default["acceptance_lengths"]) + default["plain_steps"]
+    plain, _ = generate("--no-ar-fallback")
+    assert plain["token_ids"] == default["token_ids"] and not plain["ar_fallback"] and plain["plain_steps"] == 0
 
     def write(dtype: str) -> None:
         knobs = {"threads": 1, "mode": "eager", "length_step": None, "buckets": {"1": {"verify_width": 3}}}
@@ -80,6 +83,7 @@ def test_generate_takes_the_autotune_knobs_and_flags_win(capsys, tmp_path, monke
     assert tuned["verify_width"] == {"1": 3} and tuned["threads"] == 1
     flagged, _ = generate("--verify-width", "2")
     assert flagged["token_ids"] == default["token_ids"] and max(flagged["acceptance_lengths"]) == 2
+    assert not flagged["ar_fallback"] and tuned["ar_fallback"]  # a width given is kept; a tuned one is not given
     ignored, err = generate("--no-tuned")
     assert err == "" and ignored["verify_width"] == width
     write("bfloat16")

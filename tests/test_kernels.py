@@ -1,7 +1,7 @@
 """Every fused kernel against its torch reference, property-based; which implementation serves each op.
 
-On CPU the Triton kernels run in Triton's interpreter (TRITON_INTERPRET=1, set before any
-kernel is first launched); with CUDA they run compiled, bf16 included. Integer outputs must
+On CPU the Triton kernels run in Triton's interpreter (TRITON_INTERPRET=1, set by
+tests/conftest.py before anything imports triton); with CUDA they run compiled, bf16 included. Integer outputs must
 match exactly, floating ones within TOL of their dtype. Without triton only the tests that
 launch a Triton kernel are skipped: selection, planning and the torch references still run.
 """
@@ -28,9 +28,7 @@ from dflow_rt.sampling import uniform
 from tests.conftest import FIXTURES, load_pair
 from tests.helpers import fixed
 
-CUDA = torch.cuda.is_available()
-if not CUDA:  # read when a kernel is first launched (kernels are decorated then), not at import
-    os.environ["TRITON_INTERPRET"] = "1"
+CUDA = torch.cuda.is_available()  # without it, the kernels run in Triton's interpreter (tests/conftest.py)
 TRITON = selection.importable("triton")
 needs_triton = pytest.mark.skipif(not TRITON, reason="triton is not installed: this test launches a Triton kernel")
 

@@ -25,8 +25,8 @@ def per_round(rt: Runtime, prompts, max_new_tokens):
     return [rt.pop(r).emitted for r in rids], [counts[r] for r in rids]
 
 
-def record_buckets(rt: Runtime) -> set[tuple[int, int, bool]]:
-    """The (rows, length, greedy) buckets that `rt`'s steps run from now on."""
+def record_buckets(rt: Runtime) -> set[tuple[int, int, bool, int]]:
+    """The (rows, length, greedy, width) buckets that `rt`'s steps run from now on."""
     used = set()
 
     def recording(key, run):
@@ -52,7 +52,7 @@ def test_every_mode_matches_the_reference_round(reference_pair, mode):
                                                 length_buckets=(48, 80, 112), compiler="aot_eager"))
     used = record_buckets(rt)
     outs, counts = per_round(rt, [c["prompt_ids"] for c in CASES], 64)
-    assert len({L for _, L, _ in used}) >= 2, used
+    assert len({key[1] for key in used}) >= 2, used
     assert any(drafter.config.mask_token_id in c["output_ids"] for c in CASES)  # the public round emits it here
     for case, out, cnt in zip(CASES, outs, counts, strict=True):
         ref = dflow_rt.reference.generate(target, drafter, case["prompt_ids"], 64, config=fixed(emit_mask_token=True))
@@ -73,13 +73,13 @@ def test_inductor_round_matches_reference_round(reference_pair):
     for case, out, cnt in zip(CASES[:3], outs, counts, strict=True):
         ref = dflow_rt.reference.generate(target, drafter, case["prompt_ids"], max_new_tokens=64)
         assert out == ref.token_ids == case["output_ids"] and cnt == reference_counts(ref)
-    assert {L for _, L, _ in used} == {64, 160} and {g for _, _, g in used} == {True}
+    assert {key[1] for key in used} == {64, 160} and {key[2] for key in used} == {True}
     eager = Runtime(target, drafter, fixed(max_batch=2, max_len=160))
     kw = {"max_new_tokens": 48, "temperature": 1.0, "top_p": 0.9, "seed": 3}
     pair = [CASES[0]["prompt_ids"], CASES[1]["prompt_ids"]]
     used.clear()
     assert rt.generate(pair, **kw) == eager.generate(pair, **kw)
-    assert {g for _, _, g in used} == {False}
+    assert {key[2] for key in used} == {False}
 
 
 @pytest.mark.parametrize("mode", ["eager", "compile"])
@@ -153,7 +153,7 @@ def test_no_recompiles_and_fixed_storage_over_200_rounds(reference_pair):
     assert counters["stats"]["unique_graphs"] == graphs, "a step recompiled"
     assert [t.data_ptr() for t in rt.state.tensors()] == ptrs
     assert len(sizes) >= 3 and len(accepted) >= 3, (sizes, accepted)
-    assert len({n for n, _, _ in used}) >= 2 and len({L for _, L, _ in used}) >= 3, used
+    assert len({key[0] for key in used}) >= 2 and len({key[1] for key in used}) >= 3, used
 
 
 def test_requests_join_leave_and_cancel(reference_pair):

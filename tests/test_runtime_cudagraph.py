@@ -55,7 +55,7 @@ def reference_counts(out):
 
 
 def record_buckets(rt: Runtime) -> set:
-    """The (rows, length, greedy) buckets that `rt`'s steps replay from now on."""
+    """The (rows, length, greedy, width) buckets that `rt`'s steps replay from now on."""
     used = set()
     rt.rounds = {key: (lambda key=key, run=run: (used.add(key), run())) for key, run in rt.rounds.items()}
     return used
@@ -72,7 +72,7 @@ def test_cudagraph_matches_the_reference_round(pair, kernels, emit):
                                             emit_mask_token=emit, kernels=kernels))
     used = record_buckets(rt)
     outs, counts = per_round(rt, PROMPTS, 64)
-    assert len({n for n, _, _ in used}) >= 2 and len({L for _, L, _ in used}) >= 2, used
+    assert len({key[0] for key in used}) >= 2 and len({key[1] for key in used}) >= 2, used
     for case, out, cnt in zip(CASES, outs, counts, strict=True):
         ref = dflow_rt.reference.generate(target, drafter, case["prompt_ids"], 64, config=fixed(emit_mask_token=emit))
         assert out == ref.token_ids and cnt == reference_counts(ref)

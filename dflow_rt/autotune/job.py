@@ -174,7 +174,7 @@ class Tuner:
             target, drafter = self.load(point.dtype)
             torch.set_num_threads(point.threads)  # compiled kernels keep the thread count they were built with
             base = RuntimeConfig(max_batch=max(self.batches), max_len=self.measure.max_len,
-                                 batch_buckets=self.batches, tuned=False)
+                                 batch_buckets=self.batches, tuned=False, ar_fallback=False)
             self.runtimes[point, ar] = Runtime(target, None if ar else drafter, apply(base, point, self.block_size))
         return self.runtimes[point, ar]
 

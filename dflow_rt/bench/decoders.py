@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -34,12 +34,10 @@ class Run:
 Runner = Callable[[list[list[int]], int], Run]  # (prompts of one group, max_new_tokens) -> Run
 
 
-def runtime_runner(target, drafter, mode: str, batch: int, max_len: int, stops: Sequence[int],
-                   verify_width: int | None = None, compiler: str = "inductor", freeze: bool = False) -> Runner:
-    """A Runtime with exactly one batch bucket, built (and compiled) now, so that building is
-    never timed; a call admits its prompts together, as a server would admit a full batch."""
-    config = RuntimeConfig(max_batch=batch, max_len=max_len, mode=mode, batch_buckets=(batch,),
-                           verify_width=verify_width, compiler=compiler, freeze=freeze, tuned=False)
+def runtime_runner(target, drafter, config: RuntimeConfig, stops: Sequence[int]) -> Runner:
+    """A Runtime of `config` (one batch bucket: its max_batch), built (and compiled) now, so that
+    building is never timed; a call admits its prompts together, as a server would admit a full batch."""
+    config = replace(config, batch_buckets=(config.max_batch,), tuned=False)
     rt = Runtime(target, drafter, config)
 
     def run(prompts: list[list[int]], max_new: int) -> Run:

@@ -23,7 +23,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -40,7 +40,7 @@ from dflow_rt.bench.report import (
     machine,
     read_bandwidth,
 )
-from dflow_rt.config import DTYPES
+from dflow_rt.config import DTYPES, RuntimeConfig
 from dflow_rt.errors import CheckpointError, DflowError, InputError
 from dflow_rt.models.bundled import pick_device
 
@@ -84,6 +84,9 @@ def add_e2e_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--freeze", action="store_true",
                    help="e2e: compiled rows with frozen weights (on CPU with inductor's C++ GEMM templates; "
                    "compiled at every start)")
+    p.add_argument("--ar-fallback", action="store_true",
+                   help="e2e: each drafted row also with the fallback to plain target steps (RuntimeConfig."
+                   "ar_fallback)")
     p.add_argument("--no-llama-cpp", action="store_true",
                    help="e2e: skip the llama.cpp rows (run when llama-cpp-python is installed: the llamacpp extra)")
 
@@ -104,6 +107,7 @@ def run_e2e(args: argparse.Namespace) -> dict:
     settings = {"prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "modes": modes,
                 "batches": args.batches, "dtypes": dtypes, "verify_widths": args.verify_widths,
                 "prompt_lookup": args.prompt_lookup, "compiler": args.compiler, "freeze": args.freeze,
+                "ar_fallback": args.ar_fallback,
                 "threads": torch.get_num_threads(), "timing": "medians over calls; decode tokens/s = tokens after "
                 "the first emission / time after it; speedup = ratio of those medians"}
     result = {"suite": "e2e", "machine": machine(device), "settings": settings, "notes": notes, "rows": [],
@@ -176,12 +180,16 @@ def bench_target(spec: str, args, device: torch.device, modes: list[str], dtypes
     builds = [(d, b, n) for d in dtypes for b in modes for n in sorted(args.batches)]
     for dtype, mode, batch in tqdm(builds, desc=f"{spec}: building", leave=False):
         target = targets[dtype]
-        methods.append(Method("ar", mode, batch, dtype, runtime_runner(
-            target, None, mode, batch, max_len, stops, compiler=args.compiler, freeze=args.freeze)))
+        base = RuntimeConfig(max_batch=batch, max_len=max_len, mode=mode, compiler=args.compiler, freeze=args.freeze,
+                             verify_width=None, ar_fallback=False)
+        methods.append(Method("ar", mode, batch, dtype, runtime_runner(target, None, base, stops)))
         for name, drafter in drafters.get(dtype, {}).items():
             k = best_width(widths[name][batch])
-            methods.append(Method(name, mode, batch, dtype, runtime_runner(
-                target, drafter, mode, batch, max_len, stops, k, args.compiler, args.freeze), name, k))
+            config = replace(base, verify_width=k)
+            methods.append(Method(name, mode, batch, dtype, runtime_runner(target, drafter, config, stops), name, k))
+            if args.ar_fallback:
+                methods.append(Method(f"{name}+fallback", mode, batch, dtype, runtime_runner(
+                    target, drafter, replace(config, ar_fallback=True), stops), name, k))
     for dtype in dtypes:
         for name, drafter in drafters.get(dtype, {}).items():
             methods.append(Method("reference", "eager", 1, dtype, reference_runner(targets[dtype], drafter, stops),
@@ -277,8 +285,8 @@ def sweep_widths(spec: str, target, drafters: dict, args, prompts, max_len: int,
                 speeds[name][batch] = {ks[0]: None}
                 continue
             rows = [prompts[i % min(2, len(prompts))] for i in range(max(4, 2 * batch))]
-            methods = [Method(name, "eager", batch, "float32", runtime_runner(
-                target, drafter, "eager", batch, max_len, stops, k), name, k) for k in ks]
+            methods = [Method(name, "eager", batch, "float32", runtime_runner(target, drafter, RuntimeConfig(
+                max_batch=batch, max_len=max_len, mode="eager", verify_width=k), stops), name, k) for k in ks]
             measure(methods, rows, args.max_new_tokens, batch, f"{spec}: {name} batch {batch}: k in {ks}")
             speeds[name][batch] = {m.k: round(median_tokens_per_s(m), 2) for m in methods}
     return speeds

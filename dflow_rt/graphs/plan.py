@@ -22,6 +22,7 @@ class RoundPlan:
     rows: tuple[int, ...]  # batch buckets: a round runs the first `rows` rows of the state
     lengths: tuple[int, ...]  # length buckets: a round attends over the first `length` cache positions
     widths: dict[int, int]  # verify width per batch bucket
+    ar_fallback: bool  # each bucket also has a plain-step round (width 1, no draft pass; `dflow_rt.fallback`)
     block_size: int  # B: 1 without a drafter
     filler: int  # block slots 1.. before drafting: the drafter's mask token (0 without a drafter)
     exclude: int | None  # the token no choice may be (`sampling.excluded_token`)
@@ -35,16 +36,24 @@ class RoundPlan:
         lengths = c.lengths()
         if min(lengths) <= block_size or max(lengths) > c.max_len:  # (batch buckets: limits.check_config)
             raise InputError(f"length_buckets must lie in {block_size + 1}..max_len ({c.max_len}), got {lengths}")
+        widths, kernels = c.widths(block_size), select_for(c.kernels, target, drafter)
+        fallback = c.ar_fallback is True and drafter is not None and max(widths.values()) > 1 \
+            and not hasattr(kernels.attention, "plan")  # FlashInfer plans per verify width
         return cls(mode=c.mode, compiler=c.compiler, freeze=c.freeze, rows=c.buckets(), lengths=lengths,
-                   widths=c.widths(block_size), block_size=block_size,
+                   widths=widths, ar_fallback=fallback, block_size=block_size,
                    filler=drafter.config.mask_token_id if drafter is not None else 0,
                    exclude=excluded_token(drafter, c.emit_mask_token),
                    layer_ids=drafter.target_layer_ids if drafter is not None else (),
-                   kernels=select_for(c.kernels, target, drafter))
+                   kernels=kernels)
 
     def graph_settings(self) -> dict:
         """What the compiled rounds depend on beyond the models, for the compile cache's key: not the
         lengths, which the rounds trace as a symbol, so one entry serves every max_len."""
-        return {"mode": self.mode, "rows": self.rows, "widths": self.widths, "block_size": self.block_size,
+        return {"mode": self.mode, "rows": self.rows, "widths": self.widths, "ar_fallback": self.ar_fallback,
+                "block_size": self.block_size,
                 "filler": self.filler, "exclude": self.exclude, "layer_ids": self.layer_ids,
                 "kernels": dict(self.kernels.implementations)}
+
+    def round_widths(self, rows: int) -> tuple[int, ...]:
+        """The verify widths bucket `rows` has a round for: its own, and 1 with the fallback."""
+        return tuple(sorted({self.widths[rows], 1})) if self.ar_fallback else (self.widths[rows],)

@@ -11,16 +11,17 @@ import torch
 from dflow_rt.graphs.batched_round import decode_round
 from dflow_rt.graphs.plan import RoundPlan
 from dflow_rt.graphs.state import DecodeState
+from dflow_rt.models import cpu_gemv
 
-Bucket = tuple[int, int, bool]  # (rows, cache length, greedy: no live row samples)
+Bucket = tuple[int, int, bool, int]  # (rows, cache length, greedy: no live row samples, verify width)
 
 
 def build_rounds(target, drafter, state: DecodeState, plan: RoundPlan,
                  before: Callable[[int, int], None] | None = None) -> dict[Bucket, Callable[[], None]]:
-    """One zero-argument callable per (rows, length, greedy) bucket of `plan`, running the round on
-    rows [0, rows) over cache positions [0, length), verifying the first `plan.widths[rows]`
-    drafted positions; the greedy variant (for rounds in which no row samples) skips the sampler
-    (`batched_round.verify`). `before(rows, length)`, when given, runs on the host before every
+    """One zero-argument callable per (rows, length, greedy, width) bucket of `plan`, running the
+    round on rows [0, rows) over cache positions [0, length), verifying the first `width` drafted
+    positions (`plan.round_widths(rows)`); the greedy variant (for rounds in which no row samples)
+    skips the sampler (`batched_round.verify`). `before(rows, length)`, when given, runs on the host before every
     run of a bucket (FlashInfer's planning), outside any captured graph or compiled code.
 
     Compiled rounds trace one graph per row count and variant with the cache length symbolic;
@@ -33,25 +34,25 @@ def build_rounds(target, drafter, state: DecodeState, plan: RoundPlan,
     fn = functools.partial(decode_round, target, drafter, plan=plan)
     if plan.mode != "eager":
         # every Runtime adds its graphs (two lengths x variants per row count) to the round's code object
-        cfg, graphs = torch._dynamo.config, 2 * len(plan.rows) * len(variants)
+        cfg, graphs = torch._dynamo.config, 2 * sum(map(len, map(plan.round_widths, plan.rows))) * len(variants)
         cfg.recompile_limit += graphs
         cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, cfg.recompile_limit)
         for view in views.values():
             mark_length_dynamic(view)
+        cpu_gemv.enabled()  # built or loaded now: a trace never builds it
         fn = compile_static(fn, plan.compiler)
-    rounds = {(n, L, g): functools.partial(fn, view, width=plan.widths[n], greedy=g)
-              for (n, L), view in views.items() for g in variants}
+    rounds = {(n, L, g, k): functools.partial(fn, view, width=k, greedy=g)
+              for (n, L), view in views.items() for g in variants for k in plan.round_widths(n)}
     if before is not None:  # each bucket planned before its first run (compiling or capturing)
-        for n, L, _ in rounds:
+        for n, L, *_ in rounds:
             before(n, L)
     with compiling(plan.compiler, state.tokens.device, plan.freeze):
         if plan.mode == "cudagraph":
             rounds = capture_cuda_graphs(rounds)
         elif plan.mode == "compile":  # the graph has a symbolic length: the shortest and longest bucket
-            for n in plan.rows:        # of each row count compile it and check its guards at both ends
-                for L in (plan.lengths[0], plan.lengths[-1]):
-                    for g in variants:
-                        rounds[n, L, g]()
+            for key, run in rounds.items():  # of each graph compile it and check its guards at both ends
+                if key[1] in (plan.lengths[0], plan.lengths[-1]):
+                    run()
     if before is None:
         return rounds
     return {key: functools.partial(_planned, before, key[:2], run) for key, run in rounds.items()}

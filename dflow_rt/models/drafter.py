@@ -15,8 +15,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
+from dflow_rt.models.cpu_gemv import Linear, linear
 from dflow_rt.models.layers import CachedPass, DecoderLayer, KVCache, RMSNorm, Rotary
 from dflow_rt.models.relay import Relay, RelayBuffer, relay_keys, relay_mask, shift_to_slots
 
@@ -67,7 +67,7 @@ class Drafter(nn.Module):
             for _ in range(c.num_hidden_layers)
         )
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.fc = nn.Linear(len(c.target_layer_ids) * c.hidden_size, c.hidden_size, bias=False)
+        self.fc = Linear(len(c.target_layer_ids) * c.hidden_size, c.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.rotary = Rotary(c.head_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings)
         self.relay = Relay(c.hidden_size, c.relay_hidden) if c.relay_hidden else None
@@ -95,7 +95,7 @@ class Drafter(nn.Module):
         dtype: over the draft vocabulary when the drafter has one (column j is token `vocab_ids[j]`)."""
         if self.vocab_head is None:
             return target.lm_head(hidden.to(target.lm_head.weight.dtype))
-        return F.linear(hidden.to(self.vocab_head.dtype), self.vocab_head)
+        return linear(hidden.to(self.vocab_head.dtype), self.vocab_head)
 
     def restrict_vocab(self, target: nn.Module, ids: torch.Tensor | None) -> None:
         """Draft only tokens `ids` (None: the whole vocabulary again); see `dflow_rt.models.draft_vocab`.

@@ -34,6 +34,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help=f"context per row, prompt + answer + one block [the model's, at most {DEFAULT_MAX_LEN}]")
     s.add_argument("--block-size", type=int, default=None, help="default: the drafter's block size")
     s.add_argument("--verify-width", type=int, default=None, metavar="K", help="as for generate")
+    s.add_argument("--ar-fallback", action=argparse.BooleanOptionalAction, default=None, help="as for generate")
     s.add_argument("--mode", choices=MODES, default=None, help="as for generate [the tuned one, else per device]")
     s.add_argument("--dtype", choices=DTYPES, default=None, help="as for generate")
     add_tuned_args(s)

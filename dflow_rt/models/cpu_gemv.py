@@ -1,0 +1,98 @@
+"""Products of a few rows on CPU (`cpu_gemv.cpp`): what every decode and verify pass is made of.
+
+A batch-1 step multiplies one row by every weight matrix, so it is a read of the weights; torch's
+GEMM library streams them at about half the machine's read bandwidth at 1 row and slower at 2-4
+(`bench/cpu_gemv.py`), so a verify pass of 2 positions cost 1.5 plain steps. The C++ kernel reads
+each weight row once for all the rows of x. It is built on first use with the compiler inductor
+uses (tens of seconds, once: the library is kept under the cache directory), used for float32
+products of at most MAX_ROWS rows without autograd on CPUs with AVX-512, and `linear` falls back to
+`F.linear` everywhere else. DFLOW_RT_CPU_GEMV=0 turns it off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+log = logging.getLogger("dflow_rt")
+SOURCE = Path(__file__).with_name("cpu_gemv.cpp")
+MAX_ROWS = 16  # beyond it the product is compute-bound and the GEMM library's blocking wins
+_ready: bool | None = None  # None: not tried yet in this process
+
+
+def enabled() -> bool:
+    """Whether `linear` may use the kernel in this process (built or loaded on the first call)."""
+    global _ready
+    if _ready is None:
+        if torch.compiler.is_compiling():  # never built inside a trace: `graphs.runner` loads it before
+            return False
+        _ready = _load()
+    return _ready
+
+
+def _load() -> bool:
+    if os.environ.get("DFLOW_RT_CPU_GEMV", "1") == "0" or torch.backends.cpu.get_cpu_capability() != "AVX512":
+        return False
+    from dflow_rt.models.fetch import cache_root
+
+    source = SOURCE.read_bytes()
+    digest = hashlib.sha256(source + torch.__version__.encode()).hexdigest()[:16]
+    out = cache_root() / "kernels" / f"cpu_gemv_{digest}"
+    library = out / "cpu_gemv.so"
+    try:
+        if not library.exists():
+            log.warning("building the CPU product kernel (once, tens of seconds): %s", out)
+            _build(out, library)
+        torch.ops.load_library(str(library))
+    except Exception as err:  # no compiler, a broken build: the GEMM library serves every product
+        log.warning("CPU product kernel unavailable (%s); torch's GEMM library serves every product", err)
+        return False
+    return True
+
+
+def _build(out: Path, library: Path) -> None:
+    from torch._inductor.cpp_builder import CppBuilder, CppTorchOptions
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    options = CppTorchOptions(vec_isa=pick_vec_isa(), include_pytorch=True, shared=True, extra_flags=("-O3",))
+    builder = CppBuilder(name="cpu_gemv", sources=[str(SOURCE)], BuildOption=options, output_dir=str(tmp))
+    builder.build()
+    out.mkdir(parents=True, exist_ok=True)
+    os.replace(builder.get_target_file_path(), library)  # atomic: a concurrent builder finds a whole library or none
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+_library = torch.library.Library("dflow_rt", "DEF")  # the schema; cpu_gemv.cpp registers its CPU implementation
+_library.define("gemv(Tensor x, Tensor w) -> Tensor")
+
+
+@torch.library.register_fake("dflow_rt::gemv")
+def _(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], w.shape[0])
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)`, through the kernel where it serves (see the module docstring)."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if (0 < rows <= MAX_ROWS and x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)) and enabled()):
+        y = torch.ops.dflow_rt.gemv(x.reshape(rows, x.shape[-1]).contiguous(), weight.contiguous())
+        y = y.reshape(*x.shape[:-1], weight.shape[0])
+        return y if bias is None else y + bias
+    return F.linear(x, weight, bias)
+
+
+class Linear(nn.Linear):
+    """`nn.Linear` (same parameters and state dict) whose products go through `linear`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
