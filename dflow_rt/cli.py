@@ -42,7 +42,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     out = run_one(rt, ids, args.max_new_tokens, stop_token_ids(tokenizer))
     text = tokenizer.decode(out.token_ids, skip_special_tokens=True)
     stats = {"tau": round(out.tau, 4), "tokens_per_s": round(out.decode_tokens_per_s, 2),
-             "rounds": len(out.acceptance_lengths) + out.plain_steps, "plain_steps": out.plain_steps}
+             "rounds": len(out.acceptance_lengths), "plain_steps": out.plain_steps}
     if args.json:
         print(json.dumps({"text": text, "token_ids": out.token_ids, "prompt_ids": list(ids),
                           "acceptance_lengths": out.acceptance_lengths, **stats, "mode": rt.config.mode,

@@ -42,12 +42,14 @@ class GenerateOutput:
     first_step_seconds: float = 0.0  # prefill (the reference); prefill and the first round (a Runtime)
     decode_seconds: float = 0.0  # every later round
     first_step_tokens: int = 1  # tokens the first step emitted
-    plain_steps: int = 0  # rounds without drafting (a Runtime's `ar_fallback`), not in acceptance_lengths
+    plain_steps: int = 0  # rounds without drafting (a Runtime's `ar_fallback`): a 1 each in acceptance_lengths
 
     @property
     def tau(self) -> float:
-        """Mean acceptance length per drafted round, counting the bonus token."""
-        return sum(self.acceptance_lengths) / max(len(self.acceptance_lengths), 1)
+        """Mean acceptance length per drafted round, counting the bonus token (plain steps emit one
+        token each, so they are taken out by their count)."""
+        drafted = len(self.acceptance_lengths) - self.plain_steps
+        return (sum(self.acceptance_lengths) - self.plain_steps) / drafted if drafted > 0 else 1.0
 
     @property
     def decode_tokens_per_s(self) -> float:

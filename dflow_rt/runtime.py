@@ -49,8 +49,9 @@ class Request:
     row: int = -1
     position: int = 0  # absolute position of the next round's block slot 0 (the device's `start`)
     emitted: list[int] = field(default_factory=list)
-    acceptance: list[int] = field(default_factory=list)  # tokens per drafted round (accepted drafts + bonus)
-    plain_steps: int = 0  # rounds in which the target stepped alone (`RuntimeConfig.ar_fallback`): a token each
+    acceptance: list[int] = field(default_factory=list)  # tokens per round (accepted drafts + bonus)
+    plain_steps: int = 0  # of those rounds, the ones in which the target stepped alone (`RuntimeConfig.ar_fallback`),
+    #                       which emit one token each
     finished: bool = False
     error: str | None = None  # why the request failed, if it did (it is also finished)
     delivered: int = 0  # tokens of `emitted` that `stream` has yielded: the rest wait here for it
@@ -214,11 +215,9 @@ class Runtime:
             count = out[req.row][0]
             new = count - (0 if req.emitted else 1)  # the first round also reports prefill's token
             req.position += new
+            req.acceptance.append(new)
+            req.plain_steps += not drafted
             made.append(new)
-            if drafted:
-                req.acceptance.append(new)
-            else:
-                req.plain_steps += 1
             tokens, stopped = cut_at_stop(out[req.row][1:1 + count][: req.max_new_tokens - len(req.emitted)], req.stop)
             req.finished |= stopped
             req.emitted += tokens

@@ -67,7 +67,7 @@ def test_generate_takes_the_autotune_knobs_and_flags_win(capsys, tmp_path, monke
     default, err = generate("--tuned")
     assert "runtime defaults" in err and default["verify_width"] == width and default["dtype"] == "float32"
     assert max(default["acceptance_lengths"]) == width and generate()[1] == ""  # no file, no flag: silent
-    assert default["ar_fallback"] and default["rounds"] == len(default["acceptance_lengths"]) + default["plain_steps"]
+    assert default["ar_fallback"] and default["rounds"] == len(default["acceptance_lengths"]) >= default["plain_steps"]
     plain, _ = generate("--no-ar-fallback")
     assert plain["token_ids"] == default["token_ids"] and not plain["ar_fallback"] and plain["plain_steps"] == 0
 

@@ -93,20 +93,22 @@ def test_plain_steps_keep_the_drafters_context(reference_pair):
     while not rt.is_finished(rid):
         rt.step()
     stepped = rt.pop(rid)
-    assert stepped.plain_steps == m and len(stepped.acceptance) > 3
+    assert stepped.plain_steps == m and stepped.acceptance[:m] == [1] * m and len(stepped.acceptance) > m + 3
+    assert sum(stepped.acceptance) + 1 >= len(stepped.emitted) == 40  # every round is recorded (+1: prefill's)
     fresh = Runtime(target, drafter, RuntimeConfig(max_batch=1, max_len=160, mode="eager", verify_width=None,
                                                    emit_mask_token=True))
     rid = fresh.add_request(prompt + stepped.emitted[:m], max_new_tokens=40 - m)
     while not fresh.is_finished(rid):
         fresh.step()
     again = fresh.pop(rid)
-    assert again.emitted == stepped.emitted[m:] and again.acceptance == stepped.acceptance
+    assert again.emitted == stepped.emitted[m:] and again.acceptance == stepped.acceptance[m:]
 
 
 def test_compiled_rounds_have_a_plain_step_per_bucket(reference_pair):
     target, drafter = reference_pair
-    rt = Runtime(target, drafter, RuntimeConfig(max_batch=2, max_len=160, mode="compile", compiler="aot_eager",
-                                                length_buckets=(64,), verify_width=2, ar_fallback=True))
+    rt = Runtime(target, drafter, RuntimeConfig(max_batch=2, batch_buckets=(2,), max_len=160, mode="compile",
+                                                compiler="aot_eager", length_buckets=(64,), verify_width=2,
+                                                ar_fallback=True))
     assert {key[3] for key in rt.rounds} == {1, 2} and rt.plan.ar_fallback
     rounds = iter(range(10**6))
     rt.fallback.drafted = lambda rows: next(rounds) % 3 == 0

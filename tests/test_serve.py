@@ -8,6 +8,7 @@ that request (and once from `dflow-rt generate`).
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 import signal
@@ -25,11 +26,12 @@ import pytest
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
+from dflow_rt.config import RuntimeConfig
 from dflow_rt.data.prompts import chat_text, suite_texts
 from dflow_rt.models.bundled import load_models
 from dflow_rt.runtime import Runtime
 from dflow_rt.serve.app import create_app
-from dflow_rt.serve.engine import Engine
+from dflow_rt.serve.engine import Engine, Params
 from dflow_rt.tokenizer import stop_token_ids
 from tests.helpers import fixed
 
@@ -369,3 +371,30 @@ def test_sigterm_finishes_short_requests_cancels_long_ones_and_exits_cleanly(sub
     assert proc.wait(20) == 0
     with pytest.raises(OSError):
         urllib.request.urlopen(base + "/health", timeout=2)
+
+
+def test_plain_target_steps_are_served(pair, alone):
+    """The fallback's plain steps (here forced every other round) through the engine: the answer is the
+    one a Runtime without the fallback gives, and the per-round metrics see every round."""
+    target, drafter, tokenizer = pair
+    rt = Runtime(target, drafter, RuntimeConfig(max_batch=2, max_len=MAX_LEN, mode="eager", verify_width=None,
+                                                ar_fallback=True))
+    rounds = iter(range(10**6))
+    rt.fallback.drafted = lambda rows: next(rounds) % 2 == 1
+    engine = Engine(rt, tokenizer, max_queue=4, stop_token_ids=stop_token_ids(tokenizer))
+    engine.start()
+    prompt = "def add(a, b):"
+
+    async def answer() -> tuple[str, str | None]:
+        params = engine.check(Params(tuple(tokenizer.encode(prompt, add_special_tokens=False)), 24, temperature=0))
+        text, finish = "", None
+        async for event in engine.submit(params).events():
+            text, finish = text + event.text, event.finish
+        return text, finish
+
+    try:
+        text, finish = asyncio.run(answer())
+    finally:
+        engine.close()
+    assert finish in ("length", "stop") and text == alone(prompt, 24)[0]
+    assert next(rounds) > 4  # several rounds of each kind ran
