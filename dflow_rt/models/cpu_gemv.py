@@ -23,7 +23,7 @@ from torch import nn
 
 log = logging.getLogger("dflow_rt")
 SOURCE = Path(__file__).with_name("cpu_gemv.cpp")
-MAX_ROWS = 16  # beyond it the product is compute-bound and the GEMM library's blocking wins
+MAX_ROWS = 16  # a decode or verify pass (a batch of 4 at verify width 4); prefill stays with the library
 _ready: bool | None = None  # None: not tried yet in this process
 
 
