@@ -21,10 +21,10 @@ def build_rounds(target, drafter, state: DecodeState, plan: RoundPlan,
     """One zero-argument callable per (rows, length, greedy, width) bucket of `plan`, running the
     round on rows [0, rows) over cache positions [0, length), verifying the first `width` drafted
     positions (`plan.round_widths(rows)`); the greedy variant (for rounds in which no row samples)
-    skips the sampler (`batched_round.verify`). `before(rows, length)`, when given, runs on the host before every
-    run of a bucket (FlashInfer's planning), outside any captured graph or compiled code.
+    skips the sampler (`batched_round.verify`). `before(rows, length)`, when given, runs on the host
+    before every run of a bucket (FlashInfer's planning), outside any captured graph or compiled code.
 
-    Compiled rounds trace one graph per row count and variant with the cache length symbolic;
+    Compiled rounds trace one graph per row count, variant and width with the cache length symbolic;
     each runs here at its shortest and longest length (no row is live yet, so these runs
     change no request): no step ever compiles (tested over lengths in between). Weights are
     graph inputs, not constants, unless `plan.freeze` (`compiling`), so torch's caches can keep the code.
@@ -33,7 +33,7 @@ def build_rounds(target, drafter, state: DecodeState, plan: RoundPlan,
     variants = greedy_variants(plan.mode)
     fn = functools.partial(decode_round, target, drafter, plan=plan)
     if plan.mode != "eager":
-        # every Runtime adds its graphs (two lengths x variants per row count) to the round's code object
+        # every Runtime adds its graphs (two lengths x variants x widths per row count) to the round's code object
         cfg, graphs = torch._dynamo.config, 2 * sum(map(len, map(plan.round_widths, plan.rows))) * len(variants)
         cfg.recompile_limit += graphs
         cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, cfg.recompile_limit)
