@@ -73,12 +73,12 @@ def cmd_eval_tau(args: argparse.Namespace) -> None:
     stops = tuple(stop_token_ids(tokenizer))
     report = {"target": args.target or "bundled", "drafter": args.drafter, "relay": drafter.relay is not None
               and not args.no_relay, "temperature": args.temperature, "max_new_tokens": args.max_new_tokens,
-              "suites": {}}
+              "verify_width": args.verify_width, "suites": {}}
     with relay_off(drafter, args.no_relay):
         for suite in SUITES if args.suite == "all" else (args.suite,):
             prompts = suite_prompts(tokenizer, suite, args.limit)
             result = measure_tau(target, drafter, prompts, suite, args.temperature, args.max_new_tokens, stops,
-                                 args.batch, progress=True)
+                                 args.batch, verify_width=args.verify_width, progress=True)
             report["suites"][suite] = entry = result.summary()
             if args.diagnostics:
                 entry["diagnostics"] = relay_diagnostics(target, drafter, prompts, args.max_new_tokens, stops)
@@ -190,6 +190,8 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--limit", type=int, default=None, help="first N prompts of each suite [all]")
     e.add_argument("--max-new-tokens", type=int, default=128)
     e.add_argument("--batch", type=int, default=8, help="prompts decoded together (tau does not depend on it)")
+    e.add_argument("--verify-width", type=int, default=None,
+                   help="verify only the first K - 1 drafted tokens, as a Runtime at that width [the whole block]")
     e.add_argument("--no-relay", action="store_true", help="switch a DFlow drafter's relay off (the ablation)")
     e.add_argument("--diagnostics", action="store_true",
                    help="also: target accuracy at rejected positions vs drafter slot 1, relay change rates")

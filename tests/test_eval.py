@@ -43,6 +43,19 @@ def test_tau_through_runtime_matches_the_reference_round(reference_pair, tempera
     assert again.acceptance == result.acceptance
 
 
+def test_tau_at_a_verify_width_matches_the_reference_round_at_that_width(reference_pair):
+    """--verify-width k: each round verifies k - 1 drafted tokens, as the reference round with that width."""
+    target, drafter = reference_pair
+    prompts = [c["prompt_ids"] for c in CASES[:3]]
+    result = measure_tau(target, drafter, prompts, "t", 0.0, max_new_tokens=40, batch=2, verify_width=3)
+    cfg = dflow_rt.RuntimeConfig(verify_width=3)
+    refs = [dflow_rt.reference.generate(target, drafter, p, max_new_tokens=40, config=cfg).acceptance_lengths
+            for p in prompts]
+    assert result.acceptance == refs and max(max(a) for a in refs) <= 3
+    assert refs != [dflow_rt.reference.generate(target, drafter, p, max_new_tokens=40).acceptance_lengths
+                    for p in prompts]
+
+
 def test_tau_statistics():
     r = TauResult(4, [[1, 4, 2], [3]])
     assert r.per_prompt == [pytest.approx(7 / 3), 3.0]

@@ -74,14 +74,15 @@ def prompt_seed(suite: str, index: int) -> int:
 
 @torch.inference_mode()
 def measure_tau(target, drafter, prompts: list[list[int]], suite: str = "", temperature: float = 0.0,
-                max_new_tokens: int = 128, stop_token_ids: tuple[int, ...] = (), batch: int = 8,
-                progress: bool = False) -> TauResult:
-    """Decode every prompt and keep each round's acceptance length."""
+                max_new_tokens: int = 128, stop_token_ids: tuple[int, ...] = (), batch: int = 8, *,
+                verify_width: int | None = None, progress: bool = False) -> TauResult:
+    """Decode every prompt and keep each round's acceptance length. `verify_width` k verifies only the
+    first k - 1 drafted tokens, as a Runtime at that width does (None: the whole block)."""
     from tqdm import tqdm
 
     max_len = max(map(len, prompts)) + max_new_tokens + drafter.block_size
     rt = Runtime(target, drafter, RuntimeConfig(max_batch=batch, max_len=max_len, mode="eager",
-                                                verify_width=None, tuned=False))
+                                                verify_width=verify_width, tuned=False))
     rids = [rt.add_request(p, max_new_tokens=max_new_tokens, temperature=temperature, stop_token_ids=stop_token_ids,
                            seed=prompt_seed(suite, i)) for i, p in enumerate(prompts)]
     quiet = not sys.stderr.isatty()  # a log file gets a line every 30 s, not every round
