@@ -1,6 +1,8 @@
 """The CPU product kernel against `F.linear`: any shape it serves, the rows it leaves to torch, and
 a row's result independent of how many rows share the call."""
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -57,3 +59,19 @@ def test_compiled_graphs_call_the_kernel():
     with torch.no_grad():
         compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
         assert torch.equal(compiled(x), cpu_gemv.linear(x, w))
+
+
+def test_old_builds_are_pruned_to_the_newest_few(tmp_path):
+    """Each kernel source or torch version builds into its own directory; a new build keeps only the
+    newest KEEP_BUILDS of them (its own included), never a build in progress."""
+    dirs = [tmp_path / f"cpu_gemv_{i:016x}" for i in range(5)]
+    for i, d in enumerate(dirs):
+        d.mkdir()
+        os.utime(d, (1000 + i, 1000 + i))
+    busy = tmp_path / "cpu_gemv_ffff.123.tmp"
+    busy.mkdir()
+    current = tmp_path / "cpu_gemv_current"
+    current.mkdir()
+    cpu_gemv._prune(current)
+    left = sorted(d.name for d in tmp_path.iterdir())
+    assert left == sorted([current.name, busy.name] + [d.name for d in dirs[-(cpu_gemv.KEEP_BUILDS - 1):]])

@@ -23,6 +23,7 @@ from torch import nn
 
 log = logging.getLogger("dflow_rt")
 SOURCE = Path(__file__).with_name("cpu_gemv.cpp")
+KEEP_BUILDS = 3  # kernel builds kept under the cache directory, this one included
 MAX_ROWS = 16  # a decode or verify pass (a batch of 4 at verify width 4); prefill stays with the library
 _ready: bool | None = None  # None: not tried yet in this process
 
@@ -69,6 +70,15 @@ def _build(out: Path, library: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     os.replace(builder.get_target_file_path(), library)  # atomic: a concurrent builder finds a whole library or none
     shutil.rmtree(tmp, ignore_errors=True)
+    _prune(out)
+
+
+def _prune(current: Path, keep: int = KEEP_BUILDS) -> None:
+    """Builds of other sources or torch versions pile up one directory each: keep the newest few (another
+    environment sharing the cache may still use them; one removed in use stays loaded where it is)."""
+    others = [d for d in current.parent.glob("cpu_gemv_*") if d != current and d.is_dir() and ".tmp" not in d.name]
+    for old in sorted(others, key=lambda d: d.stat().st_mtime, reverse=True)[keep - 1:]:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 _library = torch.library.Library("dflow_rt", "DEF")  # the schema; cpu_gemv.cpp registers its CPU implementation
