@@ -158,7 +158,7 @@ def cmd_features(args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     layer_ids = tuple(int(i) for i in args.layers.split(","))
     out = write_features(target_dir(args.target), args.data, args.out, layer_ids, threads=args.threads,
-                         device=args.device)
+                         device=args.device, topk=args.topk)
     print(f"wrote {out} ({time.perf_counter() - t0:.0f} s)")
 
 
@@ -169,6 +169,9 @@ def _features_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", required=True,
                    help="comma-separated conditioning layers: the drafter's --target-layers (a 2-layer drafter of a "
                    "30-layer target: 1,27)")
+    p.add_argument("--topk", type=int, default=0,
+                   help="also store the top K of the target's next-token softmax at each position, the soft labels "
+                   "of `train dflash --distill` (runs the whole target) [0: none]")
     p.add_argument("--threads", type=int, help="torch threads [all cores]")
     p.add_argument("--device", default="cpu", help="cpu or cuda [cpu]")
     p.set_defaults(run=cmd_features)
@@ -255,6 +258,8 @@ def _drafter_parser(p: argparse.ArgumentParser, dflow: bool) -> None:
     o.add_argument("--draft-vocab", type=int, help="draft (and learn) only the N tokens the training sequences "
                    "use most: the head's cost in an update falls by vocab / N; 0 keeps the whole vocabulary. "
                    "Saved with the drafter as draft_vocab.json [0]")
+    o.add_argument("--distill", type=float, help="weight of the target's soft labels in each slot's loss (the rest "
+                   "on the hard label): needs --features written with --topk [0]")
     r = _loop_args(p, o)
     r.add_argument("--eval-prompts", type=int, default=8, help="held-out prompts for real tau at checkpoints [8]")
     r.add_argument("--eval-max-new-tokens", type=int, default=64, help="tokens generated per eval prompt [64]")

@@ -23,7 +23,7 @@ from dflow_rt.models.target import Target
 from dflow_rt.tokenizer import load_tokenizer, stop_token_ids
 from dflow_rt.train import loop
 from dflow_rt.train.anchors import AnchorBatches, collate, pad_truth
-from dflow_rt.train.features import load_features
+from dflow_rt.train.features import load_features, load_soft_labels
 from dflow_rt.train.objective import DraftObjective, auto_gamma
 from dflow_rt.train.sequences import file_digest, load_sequences, model_digest
 
@@ -32,7 +32,7 @@ DFLASH_DEFAULTS = {"block_size": 16, "layers": 2, "target_layers": None, "mask_t
                    "lr": 1e-3, "gamma": "auto", "warmup": 50, "min_lr_ratio": 0.1, "weight_decay": 0.01, "clip": 1.0,
                    "seed": 0, "steps": None, "minutes": None, "eval_seqs": 16, "init": None,
                    "target_dtype": "float32", "draft_vocab": 0, "sequences": None, "amp": "float32",
-                   "init_layers": None}
+                   "init_layers": None, "distill": 0.0}
 DFLOW_DEFAULTS = {**DFLASH_DEFAULTS, "relay_hidden": None, "relay_input": "mask_embedding", "relay_lr_scale": 1.0,
                   "base_lr_scale": 1.0, "rounds": 3, "base_first_round": False, "freeze_base": False}
 
@@ -99,8 +99,9 @@ class DrafterTask:
         """One batch; `tokens` (for tokens/s) counts supervised draft slots over all rounds."""
         b = {k: t.to(self.device) for k, t in self.batches.next().items()}
         with torch.autocast(torch.device(self.device).type, self.amp, enabled=self.amp != torch.float32):
+            soft = (b["soft_ids"], b["soft_probs"]) if "soft_ids" in b else None
             loss, stats = self.forward(b["ids"], b["lengths"], b["starts"], b["ok"], feats=b.get("feats"),
-                                       truth=b.get("truth"))
+                                       truth=b.get("truth"), soft=soft)
         for k, v in stats.items():
             self.window[k] = self.window.get(k, 0) + v.detach().double()
         if (step + 1) % self.log_every == 0:
@@ -272,8 +273,12 @@ def train_drafter(kind: str, target_dir: str | Path, data: str | Path, out: str 
     if s.get("freeze_base"):
         freeze_shared_weights(drafter)
     gamma = auto_gamma(B) if s["gamma"] == "auto" else float(s["gamma"])
+    distill = s.get("distill", 0.0)  # a checkpoint from before soft labels has none
+    if not 0.0 <= distill <= 1.0 or (distill and not features):
+        raise InputError(f"--distill {distill}: a weight in [0, 1], with --features written by `train features "
+                         "--topk K`")
     objective = DraftObjective(drafter, target, gamma, rounds=s["rounds"] if kind == "dflow" else 1,
-                               base_first_round=s.get("base_first_round", False)).to(dev)
+                               base_first_round=s.get("base_first_round", False), distill=distill).to(dev)
     ddp = torch.nn.parallel.DistributedDataParallel
     forward = (ddp(objective, broadcast_buffers=False, device_ids=[dev] if dev.type == "cuda" else None)
                if d.world > 1 else objective)
@@ -289,8 +294,9 @@ def train_drafter(kind: str, target_dir: str | Path, data: str | Path, out: str 
         ids, coverage = build_draft_vocab(seqs, target.config.vocab_size, s["draft_vocab"], list(range(n_train)))
         drafter.restrict_vocab(target, ids)
     cached = load_features(features, target_dir, data, layer_ids, digests) if features else None
+    soft = load_soft_labels(features) if distill else None
     batches = AnchorBatches(seqs, list(range(n_train)), global_batch, s["anchors"], B, objective.rounds, s["seed"],
-                            d.rank, d.world, cached)
+                            d.rank, d.world, cached, soft)
     tokenizer = load_tokenizer(target_dir) if (target_dir / "tokenizer.json").exists() else None
     held_out = HeldOut(list(range(len(seqs) - s["eval_seqs"], len(seqs))),
                        heldout_prompts(tokenizer, evaluation[0]) if tokenizer and d.main else [],

@@ -9,7 +9,10 @@ runs it once and stores the features in bfloat16, row-aligned with the sequence 
 verify pass needs the target's keys and values, which cost ~10x the features to keep.
 
 File: safetensors with `features` bf16 [total tokens, K * hidden]; metadata `features` holds JSON
-(target and data digests, layer ids) that a training run checks before trusting the file.
+(target and data digests, layer ids) that a training run checks before trusting the file. With
+`--topk K` the pass runs the whole target and the file also holds its next-token distribution's top K
+at each position (`topk_ids` int32, `topk_probs` float32 [total tokens, K]): soft labels for
+`train dflash --distill`, at about 1.3x the pass's cost.
 """
 
 from __future__ import annotations
@@ -33,8 +36,10 @@ def feature_meta(target_dir: Path, data: Path, layer_ids: tuple[int, ...], diges
 
 @torch.inference_mode()
 def write_features(target_dir: str | Path, data: str | Path, out: str | Path, layer_ids: tuple[int, ...],
-                   tokens_per_batch: int = 4096, threads: int | None = None, device: str = "cpu") -> Path:
-    """Features of every sequence of `data` at `layer_ids` (the target's float32 pass, stored as bf16).
+                   tokens_per_batch: int = 4096, threads: int | None = None, device: str = "cpu",
+                   topk: int = 0) -> Path:
+    """Features of every sequence of `data` at `layer_ids` (the target's float32 pass, stored as bf16),
+    and with `topk` the top `topk` tokens and probabilities of the target's softmax at each position.
 
     Sequences go in length order, several per pass (right padding cannot reach earlier positions
     of a causal pass), so the result equals one pass per sequence.
@@ -53,7 +58,10 @@ def write_features(target_dir: str | Path, data: str | Path, out: str | Path, la
         raise InputError(f"layer ids {list(layer_ids)}: the target has layers 0..{n_layers - 1}")
     seqs = load_sequences(data)
     lengths = seqs.lengths()
-    feats = torch.empty(int(seqs.offsets[-1]), len(layer_ids) * target.config.hidden_size, dtype=torch.bfloat16)
+    total = int(seqs.offsets[-1])
+    feats = torch.empty(total, len(layer_ids) * target.config.hidden_size, dtype=torch.bfloat16)
+    soft = {"topk_ids": torch.empty(total, topk, dtype=torch.int32),
+            "topk_probs": torch.empty(total, topk, dtype=torch.float32)} if topk else {}
     order = sorted(range(len(seqs)), key=lambda i: -int(lengths[i]))
     bar = tqdm(total=len(feats), unit="token", unit_scale=True, desc="features")
     k = 0
@@ -63,15 +71,23 @@ def write_features(target_dir: str | Path, data: str | Path, out: str | Path, la
         ids = torch.zeros(len(rows), width, dtype=torch.long)
         for j, i in enumerate(rows):
             ids[j, :int(lengths[i])] = seqs[i]
-        f, _ = target_context(target, ids.to(device), tuple(layer_ids))
+        if topk:
+            pos = torch.arange(width, device=device).expand(len(rows), -1)
+            logits, f = target(ids.to(device), pos, layer_ids=tuple(layer_ids))
+            probs, top = logits.float().softmax(-1).topk(topk, dim=-1)
+        else:
+            f, _ = target_context(target, ids.to(device), tuple(layer_ids))
         for j, i in enumerate(rows):
-            feats[int(seqs.offsets[i]):int(seqs.offsets[i + 1])] = f[j, :int(lengths[i])].to("cpu", torch.bfloat16)
+            span, n = slice(int(seqs.offsets[i]), int(seqs.offsets[i + 1])), int(lengths[i])
+            feats[span] = f[j, :n].to("cpu", torch.bfloat16)
+            if topk:
+                soft["topk_ids"][span], soft["topk_probs"][span] = top[j, :n].cpu(), probs[j, :n].cpu()
         bar.update(int(lengths[rows].sum()))
         k += len(rows)
     bar.close()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
-    save_file({"features": feats}, str(tmp),
+    save_file({"features": feats, **soft}, str(tmp),
               metadata={"features": json.dumps(feature_meta(target_dir, data, tuple(layer_ids)))})
     tmp.replace(out)
     return out
@@ -97,8 +113,18 @@ def load_features(path: str | Path, target_dir: str | Path, data: str | Path, la
     return feats
 
 
+def load_soft_labels(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """(topk_ids, topk_probs) of a features file written with `--topk`: row t is the target's
+    distribution of the token at t + 1. Call after `load_features` has checked the file."""
+    with safe_open(str(path), framework="pt") as f:
+        if "topk_ids" not in f.keys():
+            raise InputError(f"--features {path}: holds no soft labels; write it with `train features --topk K`")
+        return f.get_tensor("topk_ids"), f.get_tensor("topk_probs")
+
+
 def gather(feats: torch.Tensor, seqs: Sequences, rows: list[int], width: int) -> torch.Tensor:
-    """[len(rows), width, K*H] bf16 features of `rows`, zero-padded like `anchors.collate`'s ids."""
+    """[len(rows), width, ...] rows of a per-token tensor (features, soft labels), zero-padded like
+    `anchors.collate`'s ids."""
     out = torch.zeros(len(rows), width, feats.shape[1], dtype=feats.dtype)
     for j, i in enumerate(rows):
         a, b = int(seqs.offsets[i]), int(seqs.offsets[i + 1])

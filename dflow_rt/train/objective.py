@@ -117,6 +117,22 @@ def draft_hidden(drafter: Drafter, ctx_kv: list, emb: torch.Tensor, starts: torc
     return drafter.norm(h)
 
 
+def soft_cross_entropy(drafter: Drafter, logits: torch.Tensor, soft: tuple[torch.Tensor, torch.Tensor],
+                       pos: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of slots 1.. (logits [b, N, B-1, V']) against the target's top-k distribution of the
+    token at each slot's position (`soft` rows [b, L, k] hold the distribution of the token after each
+    position), renormalised over the tokens the drafter's vocabulary holds; [b * N * (B-1)]."""
+    ids, probs = soft
+    b, N, B = pos.shape
+    src = (pos[..., 1:] - 1).clamp(max=ids.shape[1] - 1).flatten(1)  # slot k's label comes from position p+k-1
+    k = ids.shape[-1]
+    cols = drafter.columns(ids.gather(1, src[..., None].expand(-1, -1, k)))
+    p = probs.gather(1, src[..., None].expand(-1, -1, k)).float() * (cols >= 0)
+    p = p / p.sum(-1, keepdim=True).clamp(min=1e-9)
+    logq = logits.float().log_softmax(-1).view(b, N * (B - 1), -1).gather(-1, cols.clamp(min=0))
+    return -(p * logq).sum(-1).flatten()
+
+
 class DraftPass(nn.Module):
     """One draft pass of N blocks per row, with the relay (if any) as the drafter's config says. A module
     of its own so that `torch.func.functional_call` can rerun it with the shared weights detached."""
@@ -146,13 +162,17 @@ class DraftObjective(nn.Module):
     `base_first_round`: the shared (DFlash) weights learn from round 1 alone, which is the DFlash loss,
     and rounds 2.. train the relay alone, so the relay-off drafter gets DFlash updates (up to the anchor
     draws, which leave room for 3 rounds, and the gradient clip, whose norm includes the relay's).
+    `distill` w: each slot's loss is (1 - w) x cross-entropy on the hard label + w x cross-entropy on the
+    target's own top-k distribution there (renormalised over the tokens the drafter can draft).
+    `oracle_relay`: an experiment's bound, not a training mode: the relay carries the target's states of
+    the true continuation instead of those of the verified drafts.
     """
 
     def __init__(self, drafter: Drafter, target: Target, gamma: float, rounds: int = 1,
-                 base_first_round: bool = False):
+                 base_first_round: bool = False, distill: float = 0.0, oracle_relay: bool = False):
         super().__init__()
         self.draft, self._frozen, self.rounds = DraftPass(drafter), (target,), rounds
-        self.base_first_round = base_first_round
+        self.base_first_round, self.distill, self.oracle_relay = base_first_round, distill, oracle_relay
         k = torch.arange(drafter.block_size, dtype=torch.float32)
         self.register_buffer("weights", torch.where(k >= 1, torch.exp(-(k - 1) / gamma), 0.0), persistent=False)
 
@@ -172,13 +192,14 @@ class DraftObjective(nn.Module):
 
     def forward(self, ids: torch.Tensor, lengths: torch.Tensor, starts: torch.Tensor, ok: torch.Tensor,
                 trace: list | None = None, rounds: int | None = None,
-                feats: torch.Tensor | None = None,
-                truth: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                feats: torch.Tensor | None = None, truth: torch.Tensor | None = None,
+                soft: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """ids [b, L] (padded), lengths [b], anchors starts/ok [b, N] -> (summed loss, stats sums).
         `feats`: the target's cached context features of `ids` [b, L, K*H]; a relay-less drafter then
         never runs the target (a relay needs the target's keys and values for its online verify).
         `truth` [b, L]: what the drafter learns at each position when it is not `ids` itself (labelled
         text: the target's own token there); blocks still start from the text's token at the anchor.
+        `soft` (ids, probs) [b, L, k]: the target's top-k distribution of the token after each position.
 
         Unrolled from the prompt's end for many `rounds`, these are exactly the rounds `generate` runs
         on that sequence (a relay-less drafter skips the verify pass), so evaluation can measure tau."""
@@ -206,6 +227,8 @@ class DraftObjective(nn.Module):
             cols = d.columns(truth[..., 1:])
             w = self.weights[1:] * valid[..., 1:] * (cols >= 0)
             ce = F.cross_entropy(logits.flatten(0, 2).float(), cols.clamp(min=0).flatten(), reduction="none")
+            if soft is not None and self.distill:
+                ce = (1 - self.distill) * ce + self.distill * soft_cross_entropy(d, logits, soft, pos)
             loss = (ce.view_as(w) * w).sum() / w.sum().clamp(min=1e-9)
             total = total + loss
             drafts = d.token_ids(logits.detach().argmax(-1))
@@ -214,7 +237,7 @@ class DraftObjective(nn.Module):
             stats.update({f"loss{r}": loss.detach(), f"blocks{r}": ok.sum(), f"tau{r}": ((accepted + 1) * ok).sum(),
                           f"hits{r}": hit.sum((0, 1)), f"slots{r}": valid[..., 1:].sum((0, 1))})
             if trace is not None:
-                trace.append({"starts": starts, "drafts": drafts, "accepted": accepted})
+                trace.append({"starts": starts, "drafts": drafts, "accepted": accepted, "ok": ok})
             nxt_starts = starts + accepted + 1
             nxt_ok = ok & (nxt_starts + 1 < lengths[:, None])  # a next round with something left to draft
             if r == rounds or (rounds != self.rounds and not nxt_ok.any()):  # training: every rank, every round
@@ -233,7 +256,11 @@ class DraftObjective(nn.Module):
         (`truth` [b, L]: the target's token at each position)."""
         d, t, (b, N, B) = self.drafter, self._frozen[0], block.shape
         verify = torch.cat([block[..., :1], drafts], dim=-1)
-        vfeat = target_verify(t, target_kv, verify.flatten(1), starts, d.target_layer_ids)
+        states_of = verify
+        if self.oracle_relay:  # the true tokens x_p.. of the block: their states, the drafts' ids
+            at = (starts[..., None] + torch.arange(B, device=truth.device)).clamp(max=truth.shape[1] - 1)
+            states_of = torch.cat([block[..., :1], truth.gather(1, at.flatten(1)).view(b, N, B)[..., 1:]], dim=-1)
+        vfeat = target_verify(t, target_kv, states_of.flatten(1), starts, d.target_layer_ids)
         # The verifier's argmax at each block position is the ground truth's next token (the data is
         # the target's greedy output), so RelayBuffer.write takes c = x_{p'} and d = the first rejected draft.
         pos = (starts[..., None] + torch.arange(1, B + 1, device=truth.device)).clamp(max=truth.shape[1] - 1)
