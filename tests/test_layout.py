@@ -4,20 +4,31 @@ the pages that describe it (every module, every command, the command CI runs).""
 import ast
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1] / "dflow_rt"
+BENCH = ROOT.parent / "bench"  # installed as dflow_rt.bench
+
+
+def modules() -> dict[str, Path]:
+    """Every module of the installed package, by name: dflow_rt/ and bench/ (dflow_rt.bench)."""
+    out = {}
+    for base, prefix in ((ROOT, ("dflow_rt",)), (BENCH, ("dflow_rt", "bench"))):
+        for path in base.rglob("*.py"):
+            out[".".join((*prefix, *path.relative_to(base).with_suffix("").parts)).removesuffix(".__init__")] = path
+    return out
 
 
 def unit(module: str) -> str:
     """The unit a module belongs to: its subpackage (`dflow_rt.train`), or itself at the top level."""
     parts = module.split(".")
-    return ".".join(parts[:2]) if (ROOT / parts[1]).is_dir() else module
+    return ".".join(parts[:2]) if (ROOT / parts[1]).is_dir() or parts[1] == "bench" else module
 
 
 def import_graph() -> dict[str, set[str]]:
     """unit -> units it imports (module-level and function-level imports alike)."""
     graph: dict[str, set[str]] = {}
-    for path in ROOT.rglob("*.py"):
-        module = ".".join(("dflow_rt", *path.relative_to(ROOT).with_suffix("").parts)).removesuffix(".__init__")
+    for module, path in modules().items():
         if module == "dflow_rt":
             continue  # the public API re-exports everything
         edges = graph.setdefault(unit(module), set())
@@ -43,7 +54,16 @@ def test_import_graph_has_no_cycle():
     for node in sorted(graph):
         if node not in state:
             visit(node, [])
-    assert {"dflow_rt.train", "dflow_rt.eval", "dflow_rt.data", "dflow_rt.models"} <= graph.keys()
+    assert {"dflow_rt.train", "dflow_rt.eval", "dflow_rt.data", "dflow_rt.models", "dflow_rt.bench"} <= graph.keys()
+
+
+def test_pyproject_installs_every_subpackage_and_bench_as_dflow_rt_bench():
+    """The package list is explicit (bench/ maps to dflow_rt.bench), so a new subpackage must join it."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    tool = tomllib.loads((ROOT.parent / "pyproject.toml").read_text())["tool"]["setuptools"]
+    found = {"dflow_rt", "dflow_rt.bench"} | {f"dflow_rt.{p.parent.name}" for p in ROOT.glob("*/__init__.py")}
+    assert set(tool["packages"]) == found and tool["package-dir"] == {"dflow_rt.bench": "bench"}
+    assert not (ROOT / "bench").exists() and (BENCH / "__init__.py").exists()
 
 
 DOCS = ROOT.parent / "docs"
@@ -55,6 +75,13 @@ def test_layout_page_names_every_module():
     missing = [str(p.relative_to(ROOT)) for p in sorted(ROOT.rglob("*.py"))
                if p.name != "__init__.py" and p.name not in page]
     assert not missing, f"docs/layout.md does not name {missing}"
+
+
+def test_bench_readme_names_every_file_in_bench():
+    page = (BENCH / "README.md").read_text()
+    missing = [p.name for p in sorted(BENCH.iterdir()) if p.suffix in (".py", ".sh") and p.name != "__init__.py"
+               and f"`{p.name}`" not in page]
+    assert not missing, f"bench/README.md does not name {missing}"
 
 
 def test_cli_page_names_every_command():
