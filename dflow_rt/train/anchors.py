@@ -45,19 +45,19 @@ def pad_truth(seqs: Sequences, rows: list[int], width: int) -> torch.Tensor:
 class AnchorBatches:
     """Global batches of sequences: batch `index` of `epoch` (and its anchors) is the same for any world
     size; rank r takes rows r*b..(r+1)*b. The position alone is the state, so resume is exact.
-    A batch is a dict: ids, lengths, starts, ok (`collate`), plus the rows' cached target `features`
-    (`dflow_rt.train.features`) as "feats", for labelled text the target's own tokens as "truth", and with
-    `soft` (`load_soft_labels`) the target's top-k next-token ids and probabilities as "soft_ids"/"soft_probs"."""
+    A batch is a dict: ids, lengths, starts, ok (`collate`), for labelled text the target's own tokens as
+    "truth", plus the rows of each `per_token` tensor (aligned with the file's tokens) under its own name:
+    the cached target features (`dflow_rt.train.features`) as "feats", soft labels as "soft_ids"/"soft_probs"."""
 
     def __init__(self, seqs: Sequences, indices: list[int], global_batch: int, anchors: int, block: int,
-                 rounds: int, seed: int, rank: int = 0, world: int = 1, features: torch.Tensor | None = None,
-                 soft: tuple[torch.Tensor, torch.Tensor] | None = None):
+                 rounds: int, seed: int, rank: int = 0, world: int = 1,
+                 per_token: dict[str, torch.Tensor] | None = None):
         if global_batch % world or len(indices) < global_batch:
             raise InputError(f"global batch {global_batch}: needs {world} equal ranks and at least that many "
                              f"training sequences (have {len(indices)})")
         self.seqs, self.indices, self.global_batch, self.anchors = seqs, indices, global_batch, anchors
         self.block, self.span, self.seed, self.rank = block, block * rounds, seed, rank
-        self.per_rank, self.features, self.soft = global_batch // world, features, soft
+        self.per_rank, self.per_token = global_batch // world, per_token or {}
         self.epoch, self.index, self._order = 0, 0, None
 
     def next(self):
@@ -72,12 +72,8 @@ class AnchorBatches:
         if (self.index + 1) * self.global_batch > len(self.indices):  # the epoch's last partial batch is skipped
             self.epoch, self.index = self.epoch + 1, 0
         out = dict(zip(("ids", "lengths", "starts", "ok"), batch, strict=True))
-        if self.features is not None:
-            out["feats"] = gather(self.features, self.seqs, rows, batch[0].shape[1])
-        if self.soft is not None:
-            width = batch[0].shape[1]
-            out["soft_ids"] = gather(self.soft[0], self.seqs, rows, width).long()
-            out["soft_probs"] = gather(self.soft[1], self.seqs, rows, width)
+        for name, tensor in self.per_token.items():
+            out[name] = gather(tensor, self.seqs, rows, batch[0].shape[1])
         if self.seqs.truth is not None:
             out["truth"] = pad_truth(self.seqs, rows, batch[0].shape[1])
         return out

@@ -99,7 +99,7 @@ class DrafterTask:
         """One batch; `tokens` (for tokens/s) counts supervised draft slots over all rounds."""
         b = {k: t.to(self.device) for k, t in self.batches.next().items()}
         with torch.autocast(torch.device(self.device).type, self.amp, enabled=self.amp != torch.float32):
-            soft = (b["soft_ids"], b["soft_probs"]) if "soft_ids" in b else None
+            soft = (b["soft_ids"].long(), b["soft_probs"]) if "soft_ids" in b else None
             loss, stats = self.forward(b["ids"], b["lengths"], b["starts"], b["ok"], feats=b.get("feats"),
                                        truth=b.get("truth"), soft=soft)
         for k, v in stats.items():
@@ -293,10 +293,11 @@ def train_drafter(kind: str, target_dir: str | Path, data: str | Path, out: str 
     if s["draft_vocab"]:
         ids, coverage = build_draft_vocab(seqs, target.config.vocab_size, s["draft_vocab"], list(range(n_train)))
         drafter.restrict_vocab(target, ids)
-    cached = load_features(features, target_dir, data, layer_ids, digests) if features else None
-    soft = load_soft_labels(features) if distill else None
+    per_token = {"feats": load_features(features, target_dir, data, layer_ids, digests)} if features else {}
+    if distill:
+        per_token["soft_ids"], per_token["soft_probs"] = load_soft_labels(features)
     batches = AnchorBatches(seqs, list(range(n_train)), global_batch, s["anchors"], B, objective.rounds, s["seed"],
-                            d.rank, d.world, cached, soft)
+                            d.rank, d.world, per_token)
     tokenizer = load_tokenizer(target_dir) if (target_dir / "tokenizer.json").exists() else None
     held_out = HeldOut(list(range(len(seqs) - s["eval_seqs"], len(seqs))),
                        heldout_prompts(tokenizer, evaluation[0]) if tokenizer and d.main else [],
