@@ -27,7 +27,7 @@ from dflow_rt.models.draft_vocab import save_draft_vocab
 from dflow_rt.models.drafter import with_relay
 from dflow_rt.models.target import Target, TargetConfig
 from dflow_rt.tokenizer import load_tokenizer, train_tokenizer
-from dflow_rt.train import anchors, regen, sequences
+from dflow_rt.train import anchors, loop, regen, sequences
 from dflow_rt.train.cli import main
 from dflow_rt.train.drafter_training import freeze_shared_weights, make_optimizer
 from dflow_rt.train.loop import clip_gradients
@@ -544,6 +544,17 @@ def test_target_dtype_option_trains_and_is_kept_on_resume(tiny_dir, data_file, d
     assert all(torch.isfinite(torch.tensor(r["loss1"])) for r in records if r["event"] == "draft")
 
 
+@pytest.mark.parametrize("native", [False, True])
+def test_bf16_settings_warn_on_a_cpu_that_emulates_bf16(native, monkeypatch, capsys):
+    monkeypatch.setattr(loop, "cpu_has_bf16", lambda: native)
+    main_rank, cpu = loop.Dist(), torch.device("cpu")
+    loop.warn_emulated_bf16({"amp": "bfloat16", "target_dtype": "bfloat16"}, cpu, main_rank)
+    loop.warn_emulated_bf16({"amp": "float32", "target_dtype": "float32"}, cpu, main_rank)
+    err = capsys.readouterr().err
+    assert err.count("warning:") == (0 if native else 1)
+    assert native or "--amp bfloat16 and --target-dtype bfloat16 on a CPU without BF16 instructions" in err
+
+
 def test_draft_vocab_sequences_and_amp_options(tiny_dir, data_file, tmp_path, capsys):
     """--sequences N trains on the first N rows (the draft vocabulary counts only them), --draft-vocab is
     saved with the drafter, --amp bfloat16 keeps float32 weights; all three are kept on resume."""
@@ -553,7 +564,9 @@ def test_draft_vocab_sequences_and_amp_options(tiny_dir, data_file, tmp_path, ca
     args = ["dflash", "--target", str(tiny_dir), "--data", str(data_file), "--out", str(out), *RUN, "--steps", "6",
             "--sequences", "12", "--draft-vocab", "40", "--amp", "bfloat16"]
     assert run_cli([*args, "--run-steps", "3"]) == 0
-    assert "12 training sequences of 24, 1 rank(s) x 1 thread(s), draft vocabulary 40" in capsys.readouterr().out
+    out_err = capsys.readouterr()
+    assert "12 training sequences of 24, 1 rank(s) x 1 thread(s), draft vocabulary 40" in out_err.out
+    assert ("--amp bfloat16 on a CPU without BF16 instructions" in out_err.err) == (not loop.cpu_has_bf16())
     assert run_cli([*args[:-6], "--resume", "--sequences", "13"]) == 2
     assert "conflicting: --sequences 13" in capsys.readouterr().err
     assert run_cli([*args[:-6], "--resume"]) == 0

@@ -257,6 +257,7 @@ def train_drafter(kind: str, target_dir: str | Path, data: str | Path, out: str 
         if settings["base_first_round"] or given.get("base_lr_scale") not in (None, 0):
             raise InputError("--freeze-base trains the relay alone: no --base-first-round, no --base-lr-scale but 0")
         settings["base_lr_scale"] = 0.0
+    loop.warn_emulated_bf16(settings, dev, d)
     # The drafter trains in float32; the frozen target runs in float32 too unless asked for bfloat16,
     # which halves its memory (a real 8B target) and casts where the two meet (`Drafter.embed`, `.logits`).
     target_dtype = getattr(torch, settings["target_dtype"])
