@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 
 import dflow_rt
 from dflow_rt.errors import InputError
@@ -16,7 +17,7 @@ from dflow_rt.train import sequences
 from dflow_rt.train.features import load_features, load_soft_labels
 from dflow_rt.train.objective import DraftObjective, draft_hidden, drafter_context, target_context
 from tests.helpers import random_relay
-from tests.test_train_drafter import CASES, RUN, data_file, log, run_cli, sequence, tiny_dir  # noqa: F401
+from tests.test_train_drafter import CASES, RUN, data_file, dflash_run, log, run_cli, sequence, tiny_dir  # noqa: F401
 
 
 def test_topk_file_holds_the_target_softmax_and_the_same_features(tiny_dir, data_file, tmp_path):  # noqa: F811
@@ -118,3 +119,16 @@ def test_distill_trains_from_a_topk_file_and_is_refused_without_one(tiny_dir, da
             extra = [*extra, "--distill", "0.5"]
         assert run_cli([*base, "--out", str(tmp_path / "bad"), *extra]) != 0
         assert why.replace("\\", "") in capsys.readouterr().err
+
+
+def test_oracle_relay_training_flag_changes_what_the_relay_learns(tiny_dir, data_file, dflash_run, tmp_path):  # noqa: F811
+    weights = {}
+    for name, extra in (("real", []), ("oracle", ["--oracle-relay"])):
+        out = tmp_path / name
+        assert run_cli(["dflow", "--target", str(tiny_dir), "--data", str(data_file), "--out", str(out), *RUN,
+                        "--init", str(dflash_run), "--freeze-base", "--steps", "3", *extra]) == 0
+        assert log(out)[0]["settings"]["oracle_relay"] is bool(extra)
+        weights[name] = load_file(out / "model.safetensors")
+    relay = [k for k in weights["real"] if "relay" in k]
+    assert relay and any(not torch.equal(weights["real"][k], weights["oracle"][k]) for k in relay)
+    assert all(torch.equal(weights["real"][k], weights["oracle"][k]) for k in weights["real"] if k not in relay)

@@ -233,6 +233,9 @@ def _drafter_parser(p: argparse.ArgumentParser, dflow: bool) -> None:
         m.add_argument("--base-first-round", action="store_const", const=True,
                        help="the DFlash weights learn from round 1 (the DFlash loss) alone, the relay from the "
                        "later rounds, each clipped apart: the relay-off drafter gets DFlash updates")
+        m.add_argument("--oracle-relay", action="store_const", const=True,
+                       help="an experiment, not a drafter to deploy: the relay learns from the target's states of "
+                       "the true continuation, which no inference round has (bench/oracle_relay.py)")
         m.add_argument("--freeze-base", action="store_const", const=True,
                        help="the relay alone, as --base-lr-scale 0 but ~1.2x faster: the DFlash weights get no "
                        "gradient, so the gradient clip's norm is the relay's alone")

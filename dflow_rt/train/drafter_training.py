@@ -34,7 +34,8 @@ DFLASH_DEFAULTS = {"block_size": 16, "layers": 2, "target_layers": None, "mask_t
                    "target_dtype": "float32", "draft_vocab": 0, "sequences": None, "amp": "float32",
                    "init_layers": None, "distill": 0.0}
 DFLOW_DEFAULTS = {**DFLASH_DEFAULTS, "relay_hidden": None, "relay_input": "mask_embedding", "relay_lr_scale": 1.0,
-                  "base_lr_scale": 1.0, "rounds": 3, "base_first_round": False, "freeze_base": False}
+                  "base_lr_scale": 1.0, "rounds": 3, "base_first_round": False, "freeze_base": False,
+                  "oracle_relay": False}
 
 
 class ScaledAdamW(torch.optim.AdamW):
@@ -279,7 +280,8 @@ def train_drafter(kind: str, target_dir: str | Path, data: str | Path, out: str 
         raise InputError(f"--distill {distill}: a weight in [0, 1], with --features written by `train features "
                          "--topk K`")
     objective = DraftObjective(drafter, target, gamma, rounds=s["rounds"] if kind == "dflow" else 1,
-                               base_first_round=s.get("base_first_round", False), distill=distill).to(dev)
+                               base_first_round=s.get("base_first_round", False), distill=distill,
+                               oracle_relay=s.get("oracle_relay", False)).to(dev)
     ddp = torch.nn.parallel.DistributedDataParallel
     forward = (ddp(objective, broadcast_buffers=False, device_ids=[dev] if dev.type == "cuda" else None)
                if d.world > 1 else objective)
