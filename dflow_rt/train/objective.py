@@ -164,8 +164,8 @@ class DraftObjective(nn.Module):
     draws, which leave room for 3 rounds, and the gradient clip, whose norm includes the relay's).
     `distill` w: each slot's loss is (1 - w) x cross-entropy on the hard label + w x cross-entropy on the
     target's own top-k distribution there (renormalised over the tokens the drafter can draft).
-    `oracle_relay`: an experiment's bound, not a training mode: the relay carries the target's states of
-    the true continuation instead of those of the verified drafts.
+    `oracle_relay`: for an experiment's bound, never for a drafter to deploy: the relay carries the
+    target's states of the true continuation (which no inference round has) instead of the drafts'.
     """
 
     def __init__(self, drafter: Drafter, target: Target, gamma: float, rounds: int = 1,
