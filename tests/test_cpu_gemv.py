@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from dflow_rt.models import cpu_gemv
 
-pytestmark = pytest.mark.skipif(not cpu_gemv.enabled(), reason="the kernel needs an AVX-512 CPU and a C++ compiler")
+pytestmark = pytest.mark.skipif(not cpu_gemv.enabled(), reason="needs an AVX-512 or AVX2 CPU and a compiler")
 
 
 @settings(max_examples=40, deadline=None)

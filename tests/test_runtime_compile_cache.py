@@ -14,6 +14,7 @@ import torch
 import dflow_rt
 from dflow_rt import Runtime, RuntimeConfig
 from dflow_rt.graphs import compile_cache
+from dflow_rt.models import cpu_gemv
 from tests.test_runtime import CASES
 
 
@@ -56,7 +57,7 @@ def test_cached_rounds_decode_the_same_tokens_and_a_corrupt_entry_is_rebuilt(ref
     assert not compile_cache.load(entry["key"]) and not (cache / entry["key"]).exists()
 
 
-def test_the_key_follows_what_the_compiled_code_depends_on(reference_pair):
+def test_the_key_follows_what_the_compiled_code_depends_on(reference_pair, monkeypatch):
     target, drafter = reference_pair
     base = {"rows": (1,), "widths": {1: 4}}
     key, what = compile_cache.entry_key(target, drafter, base)
@@ -66,6 +67,9 @@ def test_the_key_follows_what_the_compiled_code_depends_on(reference_pair):
     assert key != compile_cache.entry_key(target, None, base)[0]
     half = dflow_rt.Target(target.config).to(torch.bfloat16)
     assert key != compile_cache.entry_key(half, drafter, base)[0]
+    kernel = cpu_gemv.enabled()
+    monkeypatch.setattr(cpu_gemv, "_ready", not kernel)  # DFLOW_RT_CPU_GEMV=0, or a CPU without the kernel
+    assert key != compile_cache.entry_key(target, drafter, base)[0]
 
 
 def test_the_cache_keeps_its_bound_and_clears(cache):

@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from dflow_rt.models import cpu_gemv
+
 MAX_BYTES = int(os.environ.get("DFLOW_RT_COMPILE_CACHE_BYTES", 2 * 1024**3))
 BLOB, META, INDUCTOR = "artifacts.bin", "entry.json", "inductor"
 SOURCES = ("graphs", "models", "kernels", "sampling.py")  # the code the compiled rounds trace
@@ -62,13 +64,15 @@ def _model_key(model) -> dict | None:
 
 def entry_key(target, drafter, settings: dict) -> tuple[str, dict]:
     """(hex key, what it hashes): models, Runtime settings, device and threads (inductor's CPU kernels
-    are built for a thread count), torch and our code."""
+    are built for a thread count), torch, our code, and whether our CPU product kernel is in the
+    graphs (a graph that calls it cannot run in a process where it is off)."""
     device = target.lm_head.weight.device
+    cpu = device.type == "cpu"
     what = {"target": _model_key(target), "drafter": _model_key(drafter), "settings": settings,
             "device": device.type, "threads": torch.get_num_threads(), "torch": torch.__version__,
             "python": sys.version.split()[0],
-            "isa": torch.backends.cpu.get_cpu_capability() if device.type == "cpu" else
-            torch.cuda.get_device_name(device), "code": _code_digest()}
+            "isa": torch.backends.cpu.get_cpu_capability() if cpu else torch.cuda.get_device_name(device),
+            "cpu_gemv": cpu and cpu_gemv.enabled(), "code": _code_digest()}
     blob = json.dumps(what, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:24], what
 

@@ -5,8 +5,9 @@ GEMM library streams them at about half the machine's read bandwidth at 1 row an
 (`bench/cpu_gemv.py`), so a verify pass of 2 positions cost 1.5 plain steps. The C++ kernel reads
 each weight row once for all the rows of x. It is built on first use with the compiler inductor
 uses (tens of seconds, once: the library is kept under the cache directory), used for float32
-products of at most MAX_ROWS rows without autograd on CPUs with AVX-512, and `linear` falls back to
-`F.linear` everywhere else. DFLOW_RT_CPU_GEMV=0 turns it off.
+products of at most MAX_ROWS rows without autograd on CPUs with AVX-512 or AVX2 (one source, a tile
+per instruction set), and `linear` falls back to `F.linear` everywhere else. DFLOW_RT_CPU_GEMV=0
+turns it off.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ log = logging.getLogger("dflow_rt")
 SOURCE = Path(__file__).with_name("cpu_gemv.cpp")
 KEEP_BUILDS = 3  # kernel builds kept under the cache directory, this one included
 MAX_ROWS = 16  # a decode or verify pass (a batch of 4 at verify width 4); prefill stays with the library
+ISAS = ("AVX512", "AVX2")  # torch's names for the instruction sets the kernel has a tile for
 _ready: bool | None = None  # None: not tried yet in this process
 
 
@@ -39,12 +41,13 @@ def enabled() -> bool:
 
 
 def _load() -> bool:
-    if os.environ.get("DFLOW_RT_CPU_GEMV", "1") == "0" or torch.backends.cpu.get_cpu_capability() != "AVX512":
+    isa = torch.backends.cpu.get_cpu_capability()
+    if os.environ.get("DFLOW_RT_CPU_GEMV", "1") == "0" or isa not in ISAS:
         return False
     from dflow_rt.models.fetch import cache_root
 
-    source = SOURCE.read_bytes()
-    digest = hashlib.sha256(source + torch.__version__.encode()).hexdigest()[:16]
+    source = SOURCE.read_bytes()  # the ISA is in the key: a cache shared by two machines keeps a build each
+    digest = hashlib.sha256(source + torch.__version__.encode() + isa.encode()).hexdigest()[:16]
     out = cache_root() / "kernels" / f"cpu_gemv_{digest}"
     library = out / "cpu_gemv.so"
     try:
