@@ -69,7 +69,10 @@ def add_e2e_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafters", nargs="+", default=None, metavar="DRAFTER",
                    help="e2e: drafter names or directories, tried on every target [--drafter, else dflash dflow "
                         "for bundled]")
-    p.add_argument("--prompts", type=int, default=8, help="e2e: first N HumanEval prompts [8]")
+    p.add_argument("--prompts", type=int, default=8, help="e2e: first N prompts of --prompt-suite [8]")
+    p.add_argument("--prompt-suite", choices=("code", "math", "chat"), default="code",
+                   help="e2e: the held-out suite the prompts come from (code: HumanEval; each drafter's tau "
+                        "differs by suite) [code]")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--dtypes", nargs="+", choices=DTYPES, default=["float32"],
                    help="e2e: bfloat16 (skipped with a note where the device has no bf16 matmul) about doubles "
@@ -78,7 +81,7 @@ def add_e2e_args(p: argparse.ArgumentParser) -> None:
                    help="e2e: verify widths swept per drafter and batch; the fastest is used [4 8 16]")
     p.add_argument("--prompt-lookup", type=int, default=10, help="e2e: transformers' prompt_lookup_num_tokens")
     p.add_argument("--prompt-ids", default=None, metavar="FILE",
-                   help="e2e: JSON list of token-id lists, instead of HumanEval (targets without a tokenizer)")
+                   help="e2e: JSON list of token-id lists, instead of --prompt-suite (targets without a tokenizer)")
     p.add_argument("--compiler", default="inductor", help="e2e: torch.compile's backend for `compile` rows")
     p.add_argument("--plots", default=None, metavar="DIR", help="e2e: write PNG plots there (needs matplotlib)")
     p.add_argument("--freeze", action="store_true",
@@ -104,7 +107,8 @@ def run_e2e(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads or (1 if device.type == "cpu" else torch.get_num_threads()))
     # every compiled Runtime adds graphs to the one compiled round function's cache
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
-    settings = {"prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "modes": modes,
+    settings = {"prompts": args.prompts, "prompt_suite": "ids" if args.prompt_ids else args.prompt_suite,
+                "max_new_tokens": args.max_new_tokens, "modes": modes,
                 "batches": args.batches, "dtypes": dtypes, "verify_widths": args.verify_widths,
                 "prompt_lookup": args.prompt_lookup, "compiler": args.compiler, "freeze": args.freeze,
                 "ar_fallback": args.ar_fallback,
@@ -234,7 +238,7 @@ def llama_cpp_methods(path: Path, args, stops: list[int], max_len: int, notes: l
 
 
 def load_prompts(path: Path, args) -> tuple[list[list[int]], list[int]]:
-    """(prompts, stop ids): --prompt-ids as given, else the first HumanEval prompts in the target's tokenizer."""
+    """(prompts, stop ids): --prompt-ids as given, else the first prompts of --prompt-suite, tokenized."""
     if args.prompt_ids:
         return json.loads(Path(args.prompt_ids).read_text())[:args.prompts], []
     if not (path / "tokenizer.json").exists():
@@ -243,7 +247,7 @@ def load_prompts(path: Path, args) -> tuple[list[list[int]], list[int]]:
     from dflow_rt.tokenizer import load_tokenizer, stop_token_ids
 
     tokenizer = load_tokenizer(path)
-    return suite_prompts(tokenizer, "code", args.prompts), stop_token_ids(tokenizer)
+    return suite_prompts(tokenizer, args.prompt_suite, args.prompts), stop_token_ids(tokenizer)
 
 
 def load_drafters(spec: str, specs, targets: dict, notes: list[str]) -> dict[str, dict]:

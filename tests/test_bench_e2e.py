@@ -133,3 +133,19 @@ def test_a_differing_output_fails_loudly(monkeypatch, tmp_path, capsys):
     assert "!! 0.0 % !!" in capsys.readouterr().out
     data = json.loads((tmp_path / "e2e.json").read_text())
     assert data["failures"] == [f"{FIXTURES / 'target'}: reference drafter b1 fp32"]
+
+
+def test_prompts_come_from_the_suite_asked_for():
+    """The drafters' tau differs by suite, so the bench can time any held-out suite; HumanEval by default."""
+    from dflow_rt.data.prompts import suite_prompts
+    from dflow_rt.models.bundled import target_dir
+    from dflow_rt.tokenizer import load_tokenizer, stop_token_ids
+
+    path = target_dir(None)
+    tokenizer = load_tokenizer(path)
+    for suite in ("code", "math", "chat"):
+        argv = [] if suite == "code" else ["--prompt-suite", suite]
+        prompts, stops = e2e.load_prompts(path, bench_args(["--prompts", "2", *argv]))
+        assert prompts == suite_prompts(tokenizer, suite, 2) and stops == stop_token_ids(tokenizer)
+    assert e2e.load_prompts(path, bench_args(["--prompts", "2", "--prompt-suite", "math"]))[0] != \
+        e2e.load_prompts(path, bench_args(["--prompts", "2"]))[0]
