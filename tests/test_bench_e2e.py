@@ -147,5 +147,3 @@ def test_prompts_come_from_the_suite_asked_for():
         argv = [] if suite == "code" else ["--prompt-suite", suite]
         prompts, stops = e2e.load_prompts(path, bench_args(["--prompts", "2", *argv]))
         assert prompts == suite_prompts(tokenizer, suite, 2) and stops == stop_token_ids(tokenizer)
-    assert e2e.load_prompts(path, bench_args(["--prompts", "2", "--prompt-suite", "math"]))[0] != \
-        e2e.load_prompts(path, bench_args(["--prompts", "2"]))[0]
