@@ -5,7 +5,9 @@ A drafted round emits tau tokens a row in the time of a round, a plain step one 
 of a step. Both are measured, not modelled: a weak drafter for this text, a drafted graph that is
 slow on this machine, or a busy machine all show up as tokens per second. Every round is lossless,
 so the choice moves the speed and nothing else. While plain steps win, drafting is tried again
-after 16, 32, ... 512 steps (acceptance moves with the text); while drafting wins, every drafted
+after 16, 32, ... 512 steps (acceptance moves with the text), and each retry is judged by its own
+rounds: the weak stretch that stopped drafting would otherwise outvote a retry on easier text for
+a whole window of rounds, and the retries back off meanwhile. While drafting wins, every drafted
 round is checked against the last plain timing, and a plain step is timed again every 256 rounds
 (both costs grow with the context).
 """
@@ -62,6 +64,8 @@ class ArFallback:
         b.left -= 1
         if b.left <= 0:
             b.probing = PROBE
+            if not b.drafting:  # a retry is judged by its own rounds, not by the stretch that stopped drafting
+                b.tokens.clear()
 
     def _decide(self, b: _Bucket) -> None:
         pays = _pays(b)

@@ -60,6 +60,15 @@ def test_a_drafter_that_stops_paying_is_dropped_at_once_and_retried():
     assert first_plain <= 1000 + 9 + PROBE and kinds[first_plain + FIRST_RETRY]
 
 
+def test_a_retry_on_easier_text_brings_drafting_back():
+    """tau 1 until round 300, then 2: the first retry after that drafts again for good, although the
+    window of drafted rounds still held the weak stretch's rounds when plain steps took over."""
+    kinds = choices(ArFallback(), 1000, 0.030, 0.020, lambda i: 1.0 if i < 300 else 2.0)
+    assert sum(kinds[:300]) < 20  # plain steps, but for the backed-off retries
+    back = next(i for i in range(300, 1000) if kinds[i])
+    assert set(gaps(kinds[back:])) <= {PROBE} and sum(kinds[back:]) > 0.95 * (1000 - back)
+
+
 def _fallback_runtime(target, drafter, schedule, **settings) -> Runtime:
     """A Runtime with the fallback whose choice follows `schedule(round)` instead of timings."""
     rt = Runtime(target, drafter, RuntimeConfig(max_batch=2, max_len=160, mode="eager", verify_width=None,
