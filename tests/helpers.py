@@ -84,3 +84,11 @@ def fixed(**settings) -> dflow_rt.RuntimeConfig:
     """A RuntimeConfig with the fields the Runtime would otherwise choose per device fixed: eager
     rounds verifying the whole block, so that per-round figures match the reference round."""
     return dflow_rt.RuntimeConfig(**{"mode": "eager", "verify_width": None, **settings})
+
+
+def poison(rt, row: int, beyond: int) -> None:
+    """NaN keys in `row`'s context, which every attention reads (so its request fails at its next
+    round), and at positions beyond..beyond+9, past it, where SDPA's mask gives them zero weight and
+    0 * NaN is NaN: only cleaning the row keeps those from its next request."""
+    for span in (slice(1, 3), slice(beyond, beyond + 10)):
+        rt.state.target_cache.k[0][row, :, span] = float("nan")

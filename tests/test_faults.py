@@ -15,7 +15,7 @@ import dflow_rt
 from dflow_rt import BusyError, InputError, RequestError
 from dflow_rt.runtime import Runtime
 from tests.conftest import FIXTURES
-from tests.helpers import fixed
+from tests.helpers import fixed, poison
 
 CASES = json.loads((FIXTURES / "rounds.json").read_text())["cases"]
 PROMPTS = [c["prompt_ids"] for c in CASES]
@@ -40,9 +40,7 @@ def test_a_nan_row_fails_alone_and_its_row_is_clean_for_the_next_request(referen
     rt.step()
     victim = rt.requests[rids[1]]
     row = victim.row
-    # NaN keys at masked positions past the victim's context: attention gives them zero weight, and
-    # 0 * NaN is NaN, so the victim's logits go NaN at once and so would any later request's in this row.
-    rt.state.target_cache.k[0][row, :, 100:110] = float("nan")
+    poison(rt, row, 100)  # the victim's logits go NaN at once, and so would a later request's in this row
     rt.step()
     assert victim.finished and victim.error and "NaN" in victim.error and victim.row == -1
     fresh = rt.add_request(PROMPTS[3], max_new_tokens=40)  # the others still run: it takes the victim's row

@@ -16,7 +16,7 @@ import pytest
 
 from dflow_rt.runtime import Runtime
 from tests.conftest import FIXTURES
-from tests.helpers import fixed, random_relay
+from tests.helpers import fixed, poison, random_relay
 
 CASES = json.loads((FIXTURES / "rounds.json").read_text())["cases"]
 LONGEST = max(CASES, key=lambda c: len(c["prompt_ids"]))["prompt_ids"]
@@ -69,8 +69,8 @@ def leave_dirty(rt: Runtime, how: str) -> tuple[int, int]:
     if how == "cancelled":
         rt.step()
         rt.cancel(rid)
-    elif how == "failed":  # NaN keys beyond its context: its logits go NaN, and it is failed and cleaned
-        rt.state.target_cache.k[0][row, :, 120:130] = float("nan")
+    elif how == "failed":  # its logits go NaN, and it is failed and cleaned
+        poison(rt, row, 120)
     run(rt, rid)
     req = rt.pop(rid)
     assert (req.error is not None) == (how == "failed") and req.emitted
@@ -111,7 +111,7 @@ def test_a_row_reused_at_once_decodes_as_in_a_fresh_runtime(reference_pair, how,
     if how == "cancelled":
         rt.cancel(first)
     elif how == "failed":
-        rt.state.target_cache.k[0][0, :, 120:130] = float("nan")
+        poison(rt, 0, 120)
     waiting = [rt.add_request(p, max_new_tokens=MAX_NEW, **kw) for p, kw in FOLLOWERS]
     for rid, (prompt, kw) in zip(waiting, FOLLOWERS, strict=True):
         got = run(rt, rid)
