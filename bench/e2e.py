@@ -79,6 +79,9 @@ def add_e2e_args(p: argparse.ArgumentParser) -> None:
                         "the run: 16-25 instead of ~11 min for bundled + smollm2 on a busy 2-core EPYC [float32]")
     p.add_argument("--verify-widths", nargs="+", type=int, default=[4, 8, 16], metavar="K",
                    help="e2e: verify widths swept per drafter and batch; the fastest is used [4 8 16]")
+    p.add_argument("--every-width", action="store_true",
+                   help="e2e: no sweep: each drafted row at every --verify-widths k (a default's width is then "
+                   "timed compiled even where another k would win the eager sweep)")
     p.add_argument("--prompt-lookup", type=int, default=10, help="e2e: transformers' prompt_lookup_num_tokens")
     p.add_argument("--prompt-ids", default=None, metavar="FILE",
                    help="e2e: JSON list of token-id lists, instead of --prompt-suite (targets without a tokenizer)")
@@ -111,7 +114,7 @@ def run_e2e(args: argparse.Namespace) -> dict:
                 "max_new_tokens": args.max_new_tokens, "modes": modes,
                 "batches": args.batches, "dtypes": dtypes, "verify_widths": args.verify_widths,
                 "prompt_lookup": args.prompt_lookup, "compiler": args.compiler, "freeze": args.freeze,
-                "ar_fallback": args.ar_fallback,
+                "ar_fallback": args.ar_fallback, "every_width": args.every_width,
                 "threads": torch.get_num_threads(), "timing": "medians over calls; decode tokens/s = tokens after "
                 "the first emission / time after it; speedup = ratio of those medians"}
     result = {"suite": "e2e", "machine": machine(device), "settings": settings, "notes": notes, "rows": [],
@@ -188,12 +191,13 @@ def bench_target(spec: str, args, device: torch.device, modes: list[str], dtypes
                              verify_width=None, ar_fallback=False)
         methods.append(Method("ar", mode, batch, dtype, runtime_runner(target, None, base, stops)))
         for name, drafter in drafters.get(dtype, {}).items():
-            k = best_width(widths[name][batch])
-            config = replace(base, verify_width=k)
-            methods.append(Method(name, mode, batch, dtype, runtime_runner(target, drafter, config, stops), name, k))
-            if args.ar_fallback:
-                methods.append(Method(f"{name}+fallback", mode, batch, dtype, runtime_runner(
-                    target, drafter, replace(config, ar_fallback=True), stops), name, k))
+            for k in sorted(widths[name][batch]) if args.every_width else [best_width(widths[name][batch])]:
+                config = replace(base, verify_width=k)
+                methods.append(Method(name, mode, batch, dtype, runtime_runner(target, drafter, config, stops),
+                                      name, k))
+                if args.ar_fallback:
+                    methods.append(Method(f"{name}+fallback", mode, batch, dtype, runtime_runner(
+                        target, drafter, replace(config, ar_fallback=True), stops), name, k))
     for dtype in dtypes:
         for name, drafter in drafters.get(dtype, {}).items():
             methods.append(Method("reference", "eager", 1, dtype, reference_runner(targets[dtype], drafter, stops),
@@ -279,14 +283,14 @@ def sweep_widths(spec: str, target, drafters: dict, args, prompts, max_len: int,
     """{drafter: {batch: {k: decode tokens/s}}} of every verify width on the first two prompts (eager,
     float32 when measured, every k interleaved); the fastest k is the one the table's rows use. Eager
     rounds are quick to build; they are only a guide for the compiled ones, whose fixed cost per round
-    is smaller. A single k is not timed (None)."""
+    is smaller. A single k, or every k with --every-width, is not timed (None)."""
     speeds: dict[str, dict[int, dict[int, float | None]]] = {}
     for name, drafter in drafters.items():
         ks = sorted({min(k, drafter.block_size) for k in args.verify_widths})
         speeds[name] = {}
         for batch in sorted(args.batches):
-            if len(ks) == 1:
-                speeds[name][batch] = {ks[0]: None}
+            if len(ks) == 1 or args.every_width:
+                speeds[name][batch] = dict.fromkeys(ks)
                 continue
             rows = [prompts[i % min(2, len(prompts))] for i in range(max(4, 2 * batch))]
             methods = [Method(name, "eager", batch, "float32", runtime_runner(target, drafter, RuntimeConfig(

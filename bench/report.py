@@ -54,8 +54,12 @@ def format_widths(result: dict) -> str:
         for name, batches in info["verify_width_sweep"].items():
             for batch, speeds in batches.items():
                 timed = {k: v for k, v in speeds.items() if v is not None}
-                cells = ", ".join(f"k={k}: {v:.1f}" for k, v in timed.items()) or "one k, not swept"
-                lines.append(f"| {target} | {name} | {batch} | {cells} | {best_width(speeds)} |")
+                if timed or len(speeds) == 1:
+                    cells, chosen = ", ".join(f"k={k}: {v:.1f}" for k, v in timed.items()) or "one k, not swept", \
+                        best_width(speeds)
+                else:
+                    cells, chosen = "not swept (--every-width)", " ".join(map(str, sorted(speeds)))
+                lines.append(f"| {target} | {name} | {batch} | {cells} | {chosen} |")
     return "\n".join(lines)
 
 

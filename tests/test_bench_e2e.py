@@ -12,7 +12,7 @@ import pytest
 
 from dflow_rt.bench import e2e
 from dflow_rt.bench.e2e import add_e2e_args, run_e2e
-from dflow_rt.bench.report import label
+from dflow_rt.bench.report import format_widths, label
 from dflow_rt.errors import DflowError
 from tests.conftest import FIXTURES
 
@@ -147,3 +147,16 @@ def test_prompts_come_from_the_suite_asked_for():
         argv = [] if suite == "code" else ["--prompt-suite", suite]
         prompts, stops = e2e.load_prompts(path, bench_args(["--prompts", "2", *argv]))
         assert prompts == suite_prompts(tokenizer, suite, 2) and stops == stop_token_ids(tokenizer)
+
+
+def test_every_width_times_each_k_without_a_sweep(tmp_path):
+    """--every-width: a drafted row (and its fallback row) per k given, none chosen by a sweep."""
+    args = fixture_args(tmp_path, "--prompts", "2", "--max-new-tokens", "6", "--batches", "1", "--modes",
+                        "eager", "--verify-widths", "2", "4", "--every-width", "--ar-fallback", "--threads", "1",
+                        "--no-llama-cpp", "--json", str(tmp_path / "e2e.json"))
+    data = run_e2e(args)
+    drafted = sorted((r["method"], r["k"]) for r in data["rows"] if r["method"].startswith("drafter"))
+    assert drafted == [("drafter", 2), ("drafter", 4), ("drafter+fallback", 2), ("drafter+fallback", 4)]
+    assert data["targets"][str(FIXTURES / "target")]["verify_width_sweep"] == {"drafter": {1: {2: None, 4: None}}}
+    assert "| drafter | 1 | not swept (--every-width) | 2 4 |" in format_widths(data)
+    assert data["failures"] == [] and all(r["identical"] == 1.0 for r in data["rows"])
