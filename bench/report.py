@@ -54,11 +54,11 @@ def format_widths(result: dict) -> str:
         for name, batches in info["verify_width_sweep"].items():
             for batch, speeds in batches.items():
                 timed = {k: v for k, v in speeds.items() if v is not None}
-                if timed or len(speeds) == 1:
-                    cells, chosen = ", ".join(f"k={k}: {v:.1f}" for k, v in timed.items()) or "one k, not swept", \
-                        best_width(speeds)
-                else:
+                if len(speeds) > 1 and not timed:  # --every-width: each k has rows of its own
                     cells, chosen = "not swept (--every-width)", " ".join(map(str, sorted(speeds)))
+                else:
+                    cells = ", ".join(f"k={k}: {v:.1f}" for k, v in timed.items()) or "one k, not swept"
+                    chosen = best_width(speeds)
                 lines.append(f"| {target} | {name} | {batch} | {cells} | {chosen} |")
     return "\n".join(lines)
 
