@@ -1,11 +1,12 @@
-"""The fallback's choice on simulated noisy rounds: decode rate against always and never drafting.
+"""The fallback's choice of verify width on simulated noisy rounds, against every fixed width.
 
-Each case is a drafter and a round cost: a drafted round at verify width k emits 1 + (each of its
-k - 1 drafts accepted with probability p; the text can change p halfway) tokens and costs `ratio`
-plain steps; every round's time has lognormal jitter and a few rounds take twice as long, as on a
-shared CPU. The policy (`dflow_rt.fallback.ArFallback`, or any file defining one, given with
---baseline for a side-by-side) sees only those timings and token counts, as in the Runtime. Figures
-are simulated tokens/s, means over seeds; "best" is the better of always and never drafting.
+Each case is a drafter and round costs: a round drafts a block whose drafts are each accepted with
+probability p once the ones before them were (the text can change p halfway), so a round at width w
+emits 1 plus the accepted drafts among its first w - 1, and costs `cost[w]` plain steps (width 1 is
+the target stepping alone); every round's time has lognormal jitter and a few rounds take twice as
+long, as on a shared CPU. The policy (`dflow_rt.fallback.ArFallback`, or any file defining one, given
+with --baseline for a side-by-side) sees only those timings and token counts, as in the Runtime.
+Figures are simulated tokens/s, means over seeds; "best" is the best fixed width.
 
     python bench/fallback_sim.py [--baseline OLD_FALLBACK.py] [--seeds 6] [--rounds 4000]
 """
@@ -21,29 +22,37 @@ import sys
 from dflow_rt.fallback import ArFallback
 
 PLAIN_S = 0.025  # a plain step's time; only ratios matter
-# name, k, acceptance p (first half, second half), drafted round cost in plain steps
-CASES = [("k = 2, drafting pays 9 %", 2, (0.31, 0.31), 1.2),
-         ("k = 2, drafting pays 21 %", 2, (0.5, 0.5), 1.24),
-         ("k = 2, drafting loses 7 %", 2, (0.15, 0.15), 1.24),
-         ("k = 4, tau 2.3", 4, (0.43, 0.43), 1.38),
-         ("k = 4, tau 1.46", 4, (0.153, 0.153), 1.38),
-         ("k = 2, pays, then loses", 2, (0.5, 0.05), 1.24),
-         ("k = 2, loses, then pays", 2, (0.05, 0.5), 1.24)]
+K2 = {1: 1.0, 2: 1.24}  # round cost in plain steps per width: compiled SmolLM2 rounds on a 2-core AVX2 CPU
+K4 = {1: 1.0, 2: 1.24, 4: 1.38}
+# name, cost per width (the widths the bucket has), acceptance p (first half, second half)
+CASES = [("k = 2, drafting pays 9 %", {1: 1.0, 2: 1.2}, (0.31, 0.31)),
+         ("k = 2, drafting pays 21 %", K2, (0.5, 0.5)),
+         ("k = 2, drafting loses 7 %", K2, (0.15, 0.15)),
+         ("k = 2, pays, then loses", K2, (0.5, 0.05)),
+         ("k = 2, loses, then pays", K2, (0.05, 0.5)),
+         ("k = 4 of 1/2/4, p 0.55 (4 best)", K4, (0.55, 0.55)),
+         ("k = 4 of 1/2/4, p 0.45 (2 and 4 close)", K4, (0.45, 0.45)),
+         ("k = 4 of 1/2/4, p 0.3 (2 best)", K4, (0.3, 0.3)),
+         ("k = 4 of 1/2/4, p 0.12 (1 best)", K4, (0.12, 0.12)),
+         ("k = 4 of 1/2/4, p 0.6, then 0.1", K4, (0.6, 0.1)),
+         ("k = 4 of 1/2/4, p 0.1, then 0.6", K4, (0.1, 0.6))]
 
 
-def simulate(policy, k: int, accept: tuple[float, float], ratio: float, rounds: int, seed: int,
+def simulate(policy, cost: dict[int, float], accept: tuple[float, float], rounds: int, seed: int,
              jitter: float = 0.08, slow: float = 0.02) -> float:
-    """Tokens/s of `policy` (None: always draft, False: never) over `rounds` simulated rounds."""
-    rnd = random.Random(seed)
+    """Tokens/s of `policy` (an int: that width every round) over `rounds` simulated rounds."""
+    rnd, widest = random.Random(seed), max(cost)
     seconds = tokens = 0.0
     for i in range(rounds):
-        drafted = True if policy is None else False if policy is False else policy.drafted(1)
-        s = PLAIN_S * (ratio if drafted else 1.0) * rnd.lognormvariate(0, jitter)
-        s *= 2.0 if rnd.random() < slow else 1.0
+        w = policy if isinstance(policy, int) else policy.width(1)
+        s = PLAIN_S * cost[w] * rnd.lognormvariate(0, jitter) * (2.0 if rnd.random() < slow else 1.0)
         p = accept[0] if i < rounds // 2 else accept[1]
-        n = 1 + sum(rnd.random() < p for _ in range(k - 1)) if drafted else 1
-        if policy not in (None, False):
-            policy.record(1, drafted, s, float(n))
+        accepted = 0
+        while accepted < widest - 1 and rnd.random() < p:  # the same block whatever the width
+            accepted += 1
+        n = 1 + min(accepted, w - 1)
+        if not isinstance(policy, int):
+            policy.record(1, w, s, [n])
         seconds, tokens = seconds + s, tokens + n
     return tokens / seconds
 
@@ -62,15 +71,16 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=4000)
     args = p.parse_args()
     policies = {"policy": ArFallback, **({"baseline": load_baseline(args.baseline)} if args.baseline else {})}
-    print("| case | always draft | never | " + " | ".join(policies) + " | policy / best |")
-    print("|---|---|---|" + "---|" * len(policies) + "---|")
-    for name, *case in CASES:
-        def mean(make, case=case):
-            return statistics.mean(simulate(make(), *case, args.rounds, seed) for seed in range(args.seeds))
-        always, never = mean(lambda: None), mean(lambda: False)
-        rates = {label: mean(cls) for label, cls in policies.items()}
+    print("| case | fixed widths | " + " | ".join(policies) + " | policy / best |")
+    print("|---|---|" + "---|" * len(policies) + "---|")
+    for name, cost, accept in CASES:
+        def mean(make, cost=cost, accept=accept):
+            return statistics.mean(simulate(make(), cost, accept, args.rounds, seed) for seed in range(args.seeds))
+        fixed = {w: mean(lambda w=w: w) for w in cost}
+        rates = {label: mean(lambda cls=cls, cost=cost: cls({1: tuple(cost)})) for label, cls in policies.items()}
+        widths = ", ".join(f"{w}: {r:.1f}" for w, r in fixed.items())
         cells = " | ".join(f"{r:.1f}" for r in rates.values())
-        print(f"| {name} | {always:.1f} | {never:.1f} | {cells} | {rates['policy'] / max(always, never):.3f} |")
+        print(f"| {name} | {widths} | {cells} | {rates['policy'] / max(fixed.values()):.3f} |")
 
 
 if __name__ == "__main__":

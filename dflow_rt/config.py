@@ -52,10 +52,11 @@ class RuntimeConfig:
     product also autotunes inductor's C++ GEMM templates, which stream batch-1 weights about twice as
     fast as the GEMM library); torch's caches cannot keep such rounds, so every Runtime compiles
     afresh, for minutes (see `graphs.runner.compiling` and the figures in docs/RESULTS.md).
-    ar_fallback: while drafted rounds decode fewer tokens per second than the target stepping alone
-    would, as timed on the running rounds, step it alone (a round of verify width 1 without the draft
-    pass; `dflow_rt.fallback`), and retry drafting at growing intervals. Lossless either way; the
-    plain steps are counted apart from the drafted rounds' acceptance. `auto`: DEVICE_DEFAULTS (on
+    ar_fallback: each round runs the verify width that decodes the most tokens per second, as timed
+    on the running rounds, among verify_width's k, ceil(k / 2) and 1, the target stepping alone
+    without the draft pass (`dflow_rt.fallback`); drafting is retried at growing intervals while
+    plain steps win. Lossless either way; the plain steps are counted apart from the drafted rounds'
+    acceptance. `auto`: DEVICE_DEFAULTS (on
     for CPU) where verify_width is `auto` too, else off (a width given is a width kept). Never with
     FlashInfer attention, whose host-side plan is made per verify width.
     compile_cache: `compile` and `cudagraph` rounds are kept on disk (`dflow_rt.graphs.compile_cache`)

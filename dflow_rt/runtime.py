@@ -73,7 +73,7 @@ class Runtime:
             self.state = DecodeState.allocate(target, drafter, c.max_batch, c.max_len, plan.block_size)
             with torch.inference_mode(), self._compile_cache():
                 self.rounds = build_rounds(target, drafter, self.state, plan, before)
-        self.fallback = ArFallback() if plan.ar_fallback else None
+        self.fallback = ArFallback({n: plan.round_widths(n) for n in plan.rows}) if plan.ar_fallback else None
         self.waiting: deque[Request] = deque()
         self.free_rows = list(range(c.max_batch))  # a heap: lowest rows first keeps buckets small
         self.requests: dict[int, Request] = {}
@@ -198,9 +198,9 @@ class Runtime:
             return {}
         n, length = self.bucket(max(r.row for r in live) + 1, max(r.position for r in live))
         greedy = (n, length, True, self.plan.widths[n]) in self.rounds and all(r.temperature == 0 for r in live)
-        drafted = self.fallback is None or self.fallback.drafted(n)
+        width = self.plan.widths[n] if self.fallback is None else self.fallback.width(n)
         t0 = time.perf_counter()
-        self.rounds[n, length, greedy, self.plan.widths[n] if drafted else 1]()
+        self.rounds[n, length, greedy, width]()
         out = self.state.out[:n].tolist()  # the one host read of the round; the last column flags faults
         seconds = time.perf_counter() - t0
         for row, values in enumerate(out):
@@ -216,7 +216,7 @@ class Runtime:
             new = count - (0 if req.emitted else 1)  # the first round also reports prefill's token
             req.position += new
             req.acceptance.append(new)
-            req.plain_steps += not drafted
+            req.plain_steps += width == 1
             made.append(new)
             tokens, stopped = cut_at_stop(out[req.row][1:1 + count][: req.max_new_tokens - len(req.emitted)], req.stop)
             req.finished |= stopped
@@ -225,7 +225,7 @@ class Runtime:
             if req.finished or len(req.emitted) >= req.max_new_tokens:
                 self._finish(req)
         if self.fallback is not None and made:
-            self.fallback.record(n, drafted, seconds, sum(made) / len(made))
+            self.fallback.record(n, width, seconds, made)
         return result
 
     def stream(self, prompt_ids, **kwargs) -> Iterator[list[int]]:

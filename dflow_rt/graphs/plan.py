@@ -22,7 +22,7 @@ class RoundPlan:
     rows: tuple[int, ...]  # batch buckets: a round runs the first `rows` rows of the state
     lengths: tuple[int, ...]  # length buckets: a round attends over the first `length` cache positions
     widths: dict[int, int]  # verify width per batch bucket
-    ar_fallback: bool  # each bucket also has a plain-step round (width 1, no draft pass; `dflow_rt.fallback`)
+    ar_fallback: bool  # each bucket also has rounds at widths 1 (no draft pass) and ceil(k / 2): `round_widths`
     block_size: int  # B: 1 without a drafter
     filler: int  # block slots 1.. before drafting: the drafter's mask token (0 without a drafter)
     exclude: int | None  # the token no choice may be (`sampling.excluded_token`)
@@ -55,5 +55,7 @@ class RoundPlan:
                 "kernels": dict(self.kernels.implementations)}
 
     def round_widths(self, rows: int) -> tuple[int, ...]:
-        """The verify widths bucket `rows` has a round for: its own, and 1 with the fallback."""
-        return tuple(sorted({self.widths[rows], 1})) if self.ar_fallback else (self.widths[rows],)
+        """The verify widths bucket `rows` has a round for: its own k, and with the fallback also 1 (a
+        plain step) and ceil(k / 2), among which `dflow_rt.fallback` chooses per round."""
+        k = self.widths[rows]
+        return tuple(sorted({1, (k + 1) // 2, k})) if self.ar_fallback else (k,)
