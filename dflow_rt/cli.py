@@ -166,7 +166,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--block-size", type=int, default=None, help="default: the drafter's block size")
     g.add_argument("--verify-width", type=int, default=None, metavar="K",
                    help="verify only the first K drafted positions: fewer cost less on CPU, any K is lossless "
-                        "[the tuned one, else per device: 2 on CPU in float32, 4 in bfloat16, the block on CUDA]")
+                        "[the tuned one, else per device: 4 on CPU, the block on CUDA]")
     g.add_argument("--ar-fallback", action=argparse.BooleanOptionalAction, default=None,
                    help="step the target alone while drafted rounds decode slower than that, as timed on the "
                         "running rounds; lossless either way [on on CPU unless --verify-width is given]")

@@ -14,7 +14,7 @@ AUTO = "auto"  # a field the Runtime chooses at start: the autotune file's knob,
 # What "auto" becomes where no autotune entry exists for the models on this device, per device class
 # (device type, weight dtype; None = any dtype). Figures behind each choice: docs/RESULTS.md, "Defaults".
 DEVICE_DEFAULTS: dict[tuple[str, str | None], dict] = {
-    ("cpu", "float32"): {"mode": "compile", "verify_width": 2, "ar_fallback": True},
+    ("cpu", "float32"): {"mode": "compile", "verify_width": 4, "ar_fallback": True},
     ("cpu", "bfloat16"): {"mode": "compile", "verify_width": 4, "ar_fallback": True},
     ("cuda", None): {"mode": "cudagraph", "verify_width": None, "ar_fallback": False},
 }
