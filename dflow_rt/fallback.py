@@ -88,10 +88,11 @@ class ArFallback:
             if not b.probes:
                 self._decide(b)
             return
-        now, best = b.rate(b.current), b.best()
-        if b.current > 1 and now is not None and best != b.current and b.rate(best) > MARGIN * now:
-            self._switch(b, best)  # acceptance fell: no probe needed to see it
-            return
+        if b.current > 1:  # acceptance fell: no probe needed to see it (plain steps wait for the retry)
+            now, best = b.rate(b.current), b.best()
+            if now is not None and best != b.current and b.rate(best) > MARGIN * now:
+                self._switch(b, best)
+                return
         b.left -= 1
         if b.left <= 0:  # the widest first: its rounds also show what the narrower ones would emit
             b.probes = [j for j in reversed(b.widths) if j != b.current for _ in range(PROBE)]

@@ -71,8 +71,10 @@ class Runtime:
         self.rows: list[Request | None] = [None] * c.max_batch
         with rotary_growth(c.max_len, target, drafter):  # undone if construction fails
             self.state = DecodeState.allocate(target, drafter, c.max_batch, c.max_len, plan.block_size)
-            with torch.inference_mode(), self._compile_cache():
-                self.rounds = build_rounds(target, drafter, self.state, plan, before)
+            cache = self._compile_cache()
+            with torch.inference_mode():
+                self.rounds = build_rounds(target, drafter, self.state, plan, before, cache)
+            self.compile_cache_hit = cache is not None and cache.loaded > 0 and cache.saved == 0
         self.fallback = ArFallback({n: plan.round_widths(n) for n in plan.rows}) if plan.ar_fallback else None
         self.waiting: deque[Request] = deque()
         self.free_rows = list(range(c.max_batch))  # a heap: lowest rows first keeps buckets small
@@ -80,29 +82,19 @@ class Runtime:
         self._rids = itertools.count()  # next() is atomic: add_request may run beside a step()
         self._stepping = threading.Lock()
 
-    @contextmanager
-    def _compile_cache(self) -> Iterator[None]:
-        """Compiled rounds from the disk cache when an entry for these shapes exists; saved to it when
-        this build compiled anything (`dflow_rt.graphs.compile_cache`)."""
+    def _compile_cache(self):
+        """The disk cache's entry for these rounds (`dflow_rt.graphs.compile_cache`), or None where
+        rounds are not kept: eager, another compiler than inductor, frozen weights, or opted out."""
         c = self.config
-        self.compile_cache_hit = False
         if c.mode == "eager" or c.compiler != "inductor" or not c.compile_cache or c.freeze:
-            yield
-            return
-        from torch._dynamo.utils import counters
-
+            return None
         from dflow_rt.graphs import compile_cache
 
-        key, what = compile_cache.entry_key(self.target, self.drafter, self.plan.graph_settings())
-        hit = compile_cache.load(key)
-        if not hit:
+        entry = compile_cache.Entry(*compile_cache.entry_key(self.target, self.drafter, self.plan.graph_settings()))
+        if not entry.dir.exists():
             log.warning("compiling the rounds for these shapes (minutes if torch never compiled them here; later "
                         "Runtimes load them from %s in seconds)", compile_cache.root())
-        misses = counters["inductor"]["fxgraph_cache_miss"]
-        yield
-        if not hit or counters["inductor"]["fxgraph_cache_miss"] > misses:
-            compile_cache.save(key, what)
-        self.compile_cache_hit = hit
+        return entry
 
     def add_request(self, prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int = 256,
                     temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,

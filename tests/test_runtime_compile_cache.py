@@ -7,6 +7,7 @@ process breaks the Triton interpreter those tests run the kernels in.)"""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -25,7 +26,8 @@ def cache(tmp_path, monkeypatch):
 
 
 def config(**kw) -> RuntimeConfig:
-    return RuntimeConfig(max_batch=1, max_len=128, length_buckets=(64,), mode="compile", verify_width=4, **kw)
+    return RuntimeConfig(**{"max_batch": 1, "max_len": 128, "length_buckets": (64,), "mode": "compile",
+                            "verify_width": 4, **kw})
 
 
 def test_cached_rounds_decode_the_same_tokens_and_a_corrupt_entry_is_rebuilt(reference_pair, cache, capsys):
@@ -38,32 +40,64 @@ def test_cached_rounds_decode_the_same_tokens_and_a_corrupt_entry_is_rebuilt(ref
 
     first = Runtime(target, drafter, config())
     (entry,) = compile_cache.entries()
-    blob = cache / entry["key"] / compile_cache.BLOB
-    assert not first.compile_cache_hit and blob.stat().st_size == entry["bytes"] > 0
+    graphs = sorted((cache / entry["key"]).glob("*" + compile_cache.GRAPH))
+    assert not first.compile_cache_hit and len(graphs) == entry["graphs"] == 2 * len(first.plan.round_widths(1))
     second = Runtime(target, drafter, config())
     assert second.compile_cache_hit
     for rt in (first, second):
         assert [rt.generate([p], max_new_tokens=40)[0] for p in prompts] == want
 
-    data = bytearray(blob.read_bytes())
+    graph = graphs[0]
+    data = bytearray(graph.read_bytes())
     data[len(data) // 2] ^= 0xFF  # one flipped byte
-    blob.write_bytes(bytes(data))
+    graph.write_bytes(bytes(data))
     rebuilt = Runtime(target, drafter, config())
     assert not rebuilt.compile_cache_hit and "does not match its checksum: rebuilding it" in capsys.readouterr().err
     meta = json.loads((cache / entry["key"] / compile_cache.META).read_text())
-    assert compile_cache.hashlib.sha256(blob.read_bytes()).hexdigest() == meta["sha256"]  # written again, whole
-    assert [rebuilt.generate([p], max_new_tokens=40)[0] for p in prompts] == want
+    assert compile_cache.hashlib.sha256(graph.read_bytes()).hexdigest() == meta["graphs"][graph.stem]["sha256"]
+    assert [rebuilt.generate([p], max_new_tokens=40)[0] for p in prompts] == want  # written again, whole
+
+    graph.write_bytes(b"not a graph")  # a checksum that matches bytes torch cannot read
+    meta["graphs"][graph.stem]["sha256"] = compile_cache.hashlib.sha256(b"not a graph").hexdigest()
+    (cache / entry["key"] / compile_cache.META).write_text(json.dumps(meta))
+    refused = Runtime(target, drafter, config())
+    assert "was refused by torch" in capsys.readouterr().err and not refused.compile_cache_hit
+    assert [refused.generate([p], max_new_tokens=40)[0] for p in prompts] == want
+
     (cache / entry["key"] / compile_cache.META).write_text("{not json")
-    assert not compile_cache.load(entry["key"]) and not (cache / entry["key"]).exists()
+    external = {"target": target, "drafter": drafter}
+    assert compile_cache.Entry(entry["key"], {}).load(graph.stem, external) is None
+    assert not (cache / entry["key"]).exists()
+
+
+def test_a_graph_whose_guards_reject_the_runtime_is_rebuilt(reference_pair, cache, capsys):
+    """A file that passes its checksum but was compiled for other shapes (here: another block size,
+    copied in under this entry's names) is never run: its guards reject the state, and it is rebuilt."""
+    target, drafter = reference_pair
+    prompt = CASES[0]["prompt_ids"]
+    Runtime(target, drafter, config(verify_width=2))
+    (other,) = compile_cache.entries()
+    small = config(verify_width=2, block_size=8)
+    key = compile_cache.entry_key(target, drafter, Runtime(target, drafter, small).plan.graph_settings())[0]
+    assert key != other["key"]
+    shutil.rmtree(cache / key)
+    shutil.copytree(cache / other["key"], cache / key)  # the same names, valid checksums, wrong shapes
+    capsys.readouterr()
+    rt = Runtime(target, drafter, small)
+    err = capsys.readouterr().err
+    assert not rt.compile_cache_hit and err.count("does not fit this Runtime") == 2, err
+    want = dflow_rt.reference.generate(target, drafter, prompt, max_new_tokens=30).token_ids  # greedy: the target's own
+    assert rt.generate([prompt], max_new_tokens=30)[0] == want
+    assert Runtime(target, drafter, small).compile_cache_hit
 
 
 def test_the_key_follows_what_the_compiled_code_depends_on(reference_pair, monkeypatch):
     target, drafter = reference_pair
-    base = {"rows": (1,), "widths": {1: 4}}
+    base = {"block_size": 8, "layer_ids": (1, 2)}
     key, what = compile_cache.entry_key(target, drafter, base)
     assert key == compile_cache.entry_key(target, drafter, dict(base))[0]
     assert what["torch"] == torch.__version__ and what["code"] and what["drafter"]["config"]["block_size"]
-    assert key != compile_cache.entry_key(target, drafter, {**base, "widths": {1: 8}})[0]
+    assert key != compile_cache.entry_key(target, drafter, {**base, "layer_ids": (0, 2)})[0]
     assert key != compile_cache.entry_key(target, None, base)[0]
     half = dflow_rt.Target(target.config).to(torch.bfloat16)
     assert key != compile_cache.entry_key(half, drafter, base)[0]
@@ -76,8 +110,8 @@ def test_the_cache_keeps_its_bound_and_clears(cache):
     for i, size in enumerate((300, 300, 300)):
         entry = cache / f"k{i}"
         entry.mkdir(parents=True)
-        (entry / compile_cache.BLOB).write_bytes(b"x" * size)
-        (entry / compile_cache.META).write_text(json.dumps({"bytes": size, "sha256": ""}))
+        (entry / ("g" + compile_cache.GRAPH)).write_bytes(b"x" * size)
+        (entry / compile_cache.META).write_text(json.dumps({"graphs": {"g": {"bytes": size, "sha256": ""}}}))
         compile_cache.os.utime(entry / compile_cache.META, (i, i))  # k0 used longest ago
     compile_cache.prune(700)
     assert [e["key"] for e in compile_cache.entries()] == ["k2", "k1"]

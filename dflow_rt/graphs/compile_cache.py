@@ -1,29 +1,35 @@
 """Compiled rounds kept on disk, so that a second start of a compiled Runtime takes seconds.
 
-torch keeps what inductor compiled in its own caches (the FX graph and AOTAutograd caches), which
-serve any later compile of the same graph; `torch.compiler.save_cache_artifacts` packs what one
-process compiled into bytes that `load_cache_artifacts` puts back. We keep those bytes per entry,
-keyed by everything the compiled code depends on (the models' configurations and dtypes, the
-Runtime's shape settings, the device and its instruction set, torch and our own graph code), with a
-checksum: an entry that does not match its checksum or that torch refuses is deleted and rebuilt,
-never trusted. Weights are inputs of the compiled graphs, not constants (`runner.compiling`), so
+Each graph of a Runtime (one per row count, verify width and variant) is compiled ahead of time
+(`torch.compile(...).aot_compile`) into one file: dynamo's bytecode and guards with inductor's code.
+Loading a file skips dynamo's trace, which a cache of inductor's output alone (torch's FX graph and
+AOTAutograd caches) still pays at every start: about ten seconds a graph for SmolLM2 on two cores.
+An entry is a directory keyed by everything the compiled code depends on (the models'
+configurations and dtypes, the round's settings, the device and its instruction set, torch and
+our own graph code), holding its graphs and a checksum of each: a file that does not match its
+checksum, that torch refuses, or whose guards reject this Runtime's state is deleted and rebuilt,
+never trusted. Graphs are written one by one as they compile, so an interrupted first start keeps
+what it finished. Weights are inputs of the compiled graphs, not constants (`runner.compiling`), so
 the code does not depend on their values and one entry serves every checkpoint of a shape.
 
 Entries live under `$DFLOW_RT_CACHE/compiled/` (`models.fetch.cache_root`). Unless the process
 chose its own (`TORCHINDUCTOR_CACHE_DIR`), torch's cache goes there too (`compiled/inductor/`):
-it also holds the compiled C++ kernels, which the packed bytes do not carry, and unlike torch's
-default under /tmp it survives a reboot. All of it is kept within `MAX_BYTES` (least recently used
-entries go first, then torch's cache as a whole); `dflow-rt compile-cache list|clear` shows and empties it.
+it holds the compiled C++ and Triton kernels, which the graph files name but do not carry (without
+it a load builds them again, minutes on CPU), and unlike torch's default under /tmp it survives a
+reboot. All of it is kept within `MAX_BYTES` (least recently used entries go first, then torch's
+cache as a whole); `dflow-rt compile-cache list|clear` shows and empties it.
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
 
@@ -32,7 +38,7 @@ import torch
 from dflow_rt.models import cpu_gemv
 
 MAX_BYTES = int(os.environ.get("DFLOW_RT_COMPILE_CACHE_BYTES", 2 * 1024**3))
-BLOB, META, INDUCTOR = "artifacts.bin", "entry.json", "inductor"
+GRAPH, META, INDUCTOR = ".graph", "entry.json", "inductor"
 SOURCES = ("graphs", "models", "kernels", "sampling.py")  # the code the compiled rounds trace
 
 
@@ -90,53 +96,77 @@ def _bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() else 0
 
 
-def load(key: str) -> bool:
-    """Put entry `key` into torch's caches; False (and the entry deleted) when it is absent or bad."""
-    entry = root() / key
-    try:
-        meta = json.loads((entry / META).read_text())
-        blob = (entry / BLOB).read_bytes()
-    except (OSError, ValueError):
-        if entry.exists():
-            _say(f"compile cache entry {key} is unreadable: rebuilding it")
-            shutil.rmtree(entry, ignore_errors=True)
-        return False
-    if hashlib.sha256(blob).hexdigest() != meta.get("sha256"):
-        _say(f"compile cache entry {key} does not match its checksum: rebuilding it")
-        shutil.rmtree(entry, ignore_errors=True)
-        return False
-    try:
-        torch.compiler.load_cache_artifacts(blob)
-    except Exception as err:  # noqa: BLE001  (torch refused the bytes: whatever the reason, rebuild)
-        _say(f"compile cache entry {key} was refused by torch ({type(err).__name__}): rebuilding it")
-        shutil.rmtree(entry, ignore_errors=True)
-        return False
-    os.utime(entry / META)  # recently used
-    return True
+class Entry:
+    """One entry's graphs: `load` them by name, `save` the ones compiled here. `loaded` and `saved`
+    count them, so that the Runtime can say whether it started from the cache."""
+
+    def __init__(self, key: str, what: dict) -> None:
+        self.key, self.what, self.dir = key, what, root() / key
+        self.loaded = self.saved = 0
+
+    def _meta(self) -> dict | None:
+        try:
+            meta = json.loads((self.dir / META).read_text())
+            return meta if isinstance(meta.get("graphs"), dict) else None
+        except (OSError, ValueError, AttributeError):
+            return None
+
+    def _drop(self, name: str, why: str) -> None:
+        _say(f"compile cache entry {self.key}: graph {name} {why}: rebuilding it")
+        (self.dir / (name + GRAPH)).unlink(missing_ok=True)
+
+    def load(self, name: str, external: dict) -> Callable | None:
+        """Graph `name` (its modules given as `external`, by the names they were saved with), or None
+        when the entry lacks it or it is bad (then it is deleted)."""
+        if not self.dir.exists():
+            return None
+        meta = self._meta()
+        if meta is None:
+            _say(f"compile cache entry {self.key} is unreadable: rebuilding it")
+            shutil.rmtree(self.dir, ignore_errors=True)
+            return None
+        if name not in meta["graphs"]:
+            return None
+        try:
+            blob = (self.dir / (name + GRAPH)).read_bytes()
+        except OSError:
+            self._drop(name, "is missing")
+            return None
+        if hashlib.sha256(blob).hexdigest() != meta["graphs"][name].get("sha256"):
+            self._drop(name, "does not match its checksum")
+            return None
+        try:
+            fn = torch.compiler.load_compiled_function(io.BytesIO(blob), external_data=external)
+        except Exception as err:  # noqa: BLE001  (torch refused the bytes: whatever the reason, rebuild)
+            self._drop(name, f"was refused by torch ({type(err).__name__})")
+            return None
+        os.utime(self.dir / META)  # recently used
+        self.loaded += 1
+        return fn
+
+    def reject(self, name: str, why: str) -> None:
+        """Graph `name` loaded but does not serve this Runtime (`why`): deleted, to be rebuilt."""
+        self.loaded -= 1
+        self._drop(name, why)
+
+    def save(self, name: str, fn, external: dict) -> None:
+        """Write graph `name` (an `aot_compile` result), then list it with its checksum; each file is
+        written whole or not at all. Two processes filling one entry at once may list only one
+        writer's graphs: the others are compiled again later, never trusted unlisted."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        blob = type(fn).serialize(fn, external).serialized_data
+        _write(self.dir / (name + GRAPH), blob)
+        meta = self._meta() or {"created": time.strftime("%Y-%m-%d %H:%M:%S"), "key": self.what, "graphs": {}}
+        meta["graphs"][name] = {"sha256": hashlib.sha256(blob).hexdigest(), "bytes": len(blob)}
+        _write(self.dir / META, (json.dumps(meta, default=str, indent=1) + "\n").encode())
+        self.saved += 1
+        prune(MAX_BYTES)
 
 
-def save(key: str, what: dict) -> Path | None:
-    """Write what this process compiled (or found in torch's caches) as entry `key`, atomically, then
-    keep the cache within MAX_BYTES. All of the process's artifacts: a round compiled earlier in
-    the process (the same graph, reused from memory) compiles nothing new now."""
-    packed = torch.compiler.save_cache_artifacts()
-    if packed is None:
-        return None
-    blob = packed[0]
-    base = root()
-    base.mkdir(parents=True, exist_ok=True)
-    tmp = base / f".{key}.{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    (tmp / BLOB).write_bytes(blob)
-    (tmp / META).write_text(json.dumps({"sha256": hashlib.sha256(blob).hexdigest(), "bytes": len(blob),
-                                        "created": time.strftime("%Y-%m-%d %H:%M:%S"), "key": what},
-                                       default=str, indent=1) + "\n")
-    final = base / key
-    shutil.rmtree(final, ignore_errors=True)
-    tmp.rename(final)
-    prune(MAX_BYTES)
-    return final
+def _write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_bytes(data)
+    tmp.replace(path)
 
 
 def entries() -> list[dict]:
@@ -149,7 +179,8 @@ def entries() -> list[dict]:
             meta, used = json.loads((entry / META).read_text()), (entry / META).stat().st_mtime
         except (OSError, ValueError):
             continue
-        out.append({"key": entry.name, "bytes": meta.get("bytes", 0), "used": used, "created": meta.get("created")})
+        out.append({"key": entry.name, "bytes": _bytes(entry), "used": used, "created": meta.get("created"),
+                    "graphs": len(meta.get("graphs", ()))})
     return sorted(out, key=lambda e: -e["used"])
 
 
@@ -164,9 +195,10 @@ def prune(max_bytes: int) -> None:
         total += e["bytes"]
         if total > max_bytes:
             shutil.rmtree(root() / e["key"], ignore_errors=True)
-    for leftover in root().glob(".*"):
+    leftovers = [*root().glob(".*"), *(p for p in root().glob("*/.*") if p.parent.name != INDUCTOR)]
+    for leftover in leftovers:
         if time.time() - leftover.stat().st_mtime > 3600:
-            shutil.rmtree(leftover, ignore_errors=True)
+            shutil.rmtree(leftover, ignore_errors=True) if leftover.is_dir() else leftover.unlink(missing_ok=True)
 
 
 def clear() -> int:
@@ -188,7 +220,7 @@ def _cmd(args) -> None:
         print(f"removed {root()}: {clear() / 1e6:.1f} MB")
         return
     for e in entries():
-        print(f"{e['key']}  {e['bytes'] / 1e6:8.1f} MB  created {e['created']}  last used "
+        print(f"{e['key']}  {e['graphs']:2d} graphs {e['bytes'] / 1e6:8.1f} MB  created {e['created']}  last used "
               f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(e['used']))}")
     print(f"{root()}: {_bytes(root()) / 1e6:.1f} MB in all (torch's cache included), bound {MAX_BYTES / 1e6:.0f} MB")
 

@@ -47,12 +47,11 @@ class RoundPlan:
                    kernels=kernels)
 
     def graph_settings(self) -> dict:
-        """What the compiled rounds depend on beyond the models, for the compile cache's key: not the
-        lengths, which the rounds trace as a symbol, so one entry serves every max_len."""
-        return {"mode": self.mode, "rows": self.rows, "widths": self.widths, "ar_fallback": self.ar_fallback,
-                "block_size": self.block_size,
-                "filler": self.filler, "exclude": self.exclude, "layer_ids": self.layer_ids,
-                "kernels": dict(self.kernels.implementations)}
+        """What the compiled rounds depend on beyond the models and their own row count, width and
+        variant (which name a graph within an entry), for the compile cache's key: not the lengths,
+        which the rounds trace as a symbol, so one entry serves every max_len and every set of buckets."""
+        return {"mode": self.mode, "block_size": self.block_size, "filler": self.filler, "exclude": self.exclude,
+                "layer_ids": self.layer_ids, "kernels": dict(self.kernels.implementations)}
 
     def round_widths(self, rows: int) -> tuple[int, ...]:
         """The verify widths bucket `rows` has a round for: its own k, and with the fallback also 1 (a

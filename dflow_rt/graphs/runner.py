@@ -4,58 +4,134 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 from collections.abc import Callable
 
 import torch
 
+from dflow_rt.graphs import compile_cache
 from dflow_rt.graphs.batched_round import decode_round
 from dflow_rt.graphs.plan import RoundPlan
 from dflow_rt.graphs.state import DecodeState
 from dflow_rt.models import cpu_gemv
 
+log = logging.getLogger("dflow_rt")
 Bucket = tuple[int, int, bool, int]  # (rows, cache length, greedy: no live row samples, verify width)
 
 
 def build_rounds(target, drafter, state: DecodeState, plan: RoundPlan,
-                 before: Callable[[int, int], None] | None = None) -> dict[Bucket, Callable[[], None]]:
+                 before: Callable[[int, int], None] | None = None,
+                 cache: compile_cache.Entry | None = None) -> dict[Bucket, Callable[[], None]]:
     """One zero-argument callable per (rows, length, greedy, width) bucket of `plan`, running the
     round on rows [0, rows) over cache positions [0, length), verifying the first `width` drafted
     positions (`plan.round_widths(rows)`); the greedy variant (for rounds in which no row samples)
     skips the sampler (`batched_round.verify`). `before(rows, length)`, when given, runs on the host
     before every run of a bucket (FlashInfer's planning), outside any captured graph or compiled code.
 
-    Compiled rounds trace one graph per row count, variant and width with the cache length symbolic;
-    each runs here at its shortest and longest length (no row is live yet, so these runs
-    change no request): no step ever compiles (tested over lengths in between). Weights are
-    graph inputs, not constants, unless `plan.freeze` (`compiling`), so torch's caches can keep the code.
+    Compiled rounds are one graph per row count, variant and width with the cache length symbolic
+    (`compiled_graphs`, from `cache` where given); each runs here at its shortest and longest length
+    (no row is live yet, so these runs change no request): no step ever compiles (tested over
+    lengths in between). Weights are graph inputs, not constants, unless `plan.freeze` (`compiling`).
     """
     views = {(n, L): state.view(n, L) for n in plan.rows for L in plan.lengths}
-    variants = greedy_variants(plan.mode)
-    fn = functools.partial(decode_round, target, drafter, plan=plan)
+    graphs = {(n, g, k): functools.partial(decode_round, target, drafter, plan=plan, width=k, greedy=g)
+              for n in plan.rows for g in greedy_variants(plan.mode) for k in plan.round_widths(n)}
     if plan.mode != "eager":
-        # every Runtime adds its graphs (two lengths x variants x widths per row count) to the round's code object
-        cfg, graphs = torch._dynamo.config, 2 * sum(map(len, map(plan.round_widths, plan.rows))) * len(variants)
-        cfg.recompile_limit += graphs
-        cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, cfg.recompile_limit)
-        for view in views.values():
-            mark_length_dynamic(view)
         cpu_gemv.enabled()  # built or loaded now: a trace never builds it
-        fn = compile_static(fn, plan.compiler)
-    rounds = {(n, L, g, k): functools.partial(fn, view, width=k, greedy=g)
-              for (n, L), view in views.items() for g in variants for k in plan.round_widths(n)}
+        with compiling(plan.compiler, state.tokens.device, plan.freeze):
+            graphs = compiled_graphs(target, drafter, state, plan, views, list(graphs), cache)
+    rounds = {(n, L, g, k): functools.partial(graphs[n, g, k], view)
+              for (n, L), view in views.items() for m, g, k in graphs if m == n}
     if before is not None:  # each bucket planned before its first run (compiling or capturing)
         for n, L, *_ in rounds:
             before(n, L)
     with compiling(plan.compiler, state.tokens.device, plan.freeze):
         if plan.mode == "cudagraph":
             rounds = capture_cuda_graphs(rounds)
-        elif plan.mode == "compile":  # the graph has a symbolic length: the shortest and longest bucket
-            for key, run in rounds.items():  # of each graph compile it and check its guards at both ends
+        elif plan.mode == "compile":  # each graph at its shortest and longest bucket: compiled (or loaded)
+            for key, run in rounds.items():  # and its guards checked at both ends
                 if key[1] in (plan.lengths[0], plan.lengths[-1]):
                     run()
     if before is None:
         return rounds
     return {key: functools.partial(_planned, before, key[:2], run) for key, run in rounds.items()}
+
+
+Graph = tuple[int, bool, int]  # (rows, greedy, verify width)
+
+
+def compiled_graphs(target, drafter, state: DecodeState, plan: RoundPlan, views: dict[tuple[int, int], DecodeState],
+                    graphs: list[Graph], cache: compile_cache.Entry | None) -> dict[Graph, Callable]:
+    """The compiled round of each graph, called with one of `views` (the buckets' views of `state`)
+    of its row count. With `cache`, each is loaded from it, or compiled ahead of time and saved there.
+    Without, or where ahead-of-time compilation fails, one `torch.compile` of the round serves every
+    graph, compiling each on its first call: `views` are then marked, whereas a graph compiled ahead
+    of time is traced from a view of its own (its guards, once saved, reject a marked view)."""
+    found = {}
+    if cache is not None:
+        models = (target, drafter)
+        external = {name: m for name, m in (("target", target), ("drafter", drafter)) if m is not None}
+        for n, g, k in graphs:
+            kwargs = {"plan": plan, "width": k, "greedy": g}
+            fn = _cached_graph(cache, f"rows{n}-width{k}-{'greedy' if g else 'sampling'}", models, kwargs,
+                               state.view(n, plan.lengths[0]), views[n, plan.lengths[0]], views[n, plan.lengths[-1]],
+                               external=external)
+            if fn is None:
+                break
+            found[n, g, k] = functools.partial(fn, target, drafter, **kwargs)
+        else:
+            return found
+    for view in views.values():  # the length as a symbol: one graph per row count, variant and width
+        mark_length_dynamic(view)
+    lazy = _lazy_round(target, drafter, plan, len(graphs))
+    return {(n, g, k): functools.partial(lazy, width=k, greedy=g) for n, g, k in graphs}
+
+
+def _cached_graph(cache: compile_cache.Entry, name: str, models: tuple, kwargs: dict, example: DecodeState,
+                  *ends: DecodeState, external: dict) -> Callable | None:
+    """Graph `name` from `cache` whose guards accept both `ends` (unmarked views of the shortest and
+    longest length), else compiled ahead of time from `example` (a view of its own, marked here) and
+    saved; None when that fails."""
+    fn = cache.load(name, external)
+    failed = fn is not None and _guard_failure(fn, models, ends, kwargs)
+    if failed:
+        cache.reject(name, f"does not fit this Runtime ({failed})")
+        fn = None
+    if fn is not None:
+        return fn
+    try:
+        mark_length_dynamic(example)
+        fn = torch.compile(decode_round, fullgraph=True, dynamic=False,
+                           backend=kwargs["plan"].compiler).aot_compile(((*models, example), kwargs))
+        failed = _guard_failure(fn, models, ends, kwargs)
+        if failed:
+            raise RuntimeError(f"its guards reject this Runtime's state ({failed})")
+    except Exception as err:  # noqa: BLE001  (any failure of the ahead-of-time path: the in-process one)
+        log.warning("could not compile round %s ahead of time (%s: %s); compiling the rounds in-process, not "
+                    "kept on disk", name, type(err).__name__, err)
+        return None
+    try:
+        cache.save(name, fn, external)
+    except OSError as err:  # a full or read-only disk: this process runs the graph all the same
+        log.warning("could not keep round %s on disk (%s)", name, err)
+    return fn
+
+
+def _guard_failure(fn, models: tuple, ends: tuple[DecodeState, ...], kwargs: dict) -> str:
+    """Why the guards of compiled graph `fn` reject a call at either end, or "" when they accept both."""
+    for view in ends:
+        if not fn.guard_check(*models, view, **kwargs):
+            f_locals = fn.prepare_f_locals(*models, view, **kwargs)
+            return str(fn._artifacts.guard_manager.check_verbose(f_locals).verbose_code_parts)[:300]
+    return ""
+
+
+def _lazy_round(target, drafter, plan: RoundPlan, graphs: int) -> Callable:
+    """The round under `torch.compile`, compiling each graph on its first call."""
+    cfg = torch._dynamo.config  # every Runtime adds its graphs (two lengths each) to the round's code object
+    cfg.recompile_limit += 2 * graphs
+    cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, cfg.recompile_limit)
+    return compile_static(functools.partial(decode_round, target, drafter, plan=plan), plan.compiler)
 
 
 def _planned(before: Callable[[int, int], None], key: tuple[int, int], run: Callable[[], None]) -> None:
