@@ -113,6 +113,9 @@ def test_the_cache_keeps_its_bound_and_clears(cache):
         (entry / ("g" + compile_cache.GRAPH)).write_bytes(b"x" * size)
         (entry / compile_cache.META).write_text(json.dumps({"graphs": {"g": {"bytes": size, "sha256": ""}}}))
         compile_cache.os.utime(entry / compile_cache.META, (i, i))  # k0 used longest ago
+    old = cache / "k3"  # an entry of an older format (one blob, no graphs), recently used: no Runtime reads it
+    old.mkdir()
+    (old / compile_cache.META).write_text(json.dumps({"bytes": 10, "sha256": ""}))
     compile_cache.prune(700)
     assert [e["key"] for e in compile_cache.entries()] == ["k2", "k1"]
     assert compile_cache.clear() >= 600 and compile_cache.entries() == [] and not cache.exists()

@@ -179,21 +179,23 @@ def entries() -> list[dict]:
             meta, used = json.loads((entry / META).read_text()), (entry / META).stat().st_mtime
         except (OSError, ValueError):
             continue
+        graphs = meta.get("graphs") if isinstance(meta, dict) else None  # None: an older format, never read
         out.append({"key": entry.name, "bytes": _bytes(entry), "used": used, "created": meta.get("created"),
-                    "graphs": len(meta.get("graphs", ()))})
+                    "graphs": len(graphs) if isinstance(graphs, dict) else None})
     return sorted(out, key=lambda e: -e["used"])
 
 
 def prune(max_bytes: int) -> None:
-    """Drop least recently used entries (and leftovers of interrupted writes) beyond `max_bytes`,
-    then torch's cache under ours if it alone would break the bound (it is rebuilt on demand)."""
+    """Drop least recently used entries (and leftovers of interrupted writes) beyond `max_bytes`, and
+    entries of an older format, which no Runtime reads; then torch's cache under ours if it alone would
+    break the bound (it is rebuilt on demand)."""
     total = _bytes(root() / INDUCTOR)
     if total > max_bytes:
         shutil.rmtree(root() / INDUCTOR, ignore_errors=True)
         total = 0
     for e in entries():
-        total += e["bytes"]
-        if total > max_bytes:
+        total += e["bytes"] if e["graphs"] is not None else 0
+        if e["graphs"] is None or total > max_bytes:
             shutil.rmtree(root() / e["key"], ignore_errors=True)
     leftovers = [*root().glob(".*"), *(p for p in root().glob("*/.*") if p.parent.name != INDUCTOR)]
     for leftover in leftovers:
@@ -220,7 +222,8 @@ def _cmd(args) -> None:
         print(f"removed {root()}: {clear() / 1e6:.1f} MB")
         return
     for e in entries():
-        print(f"{e['key']}  {e['graphs']:2d} graphs {e['bytes'] / 1e6:8.1f} MB  created {e['created']}  last used "
+        graphs = "older format" if e["graphs"] is None else f"{e['graphs']:2d} graphs"
+        print(f"{e['key']}  {graphs} {e['bytes'] / 1e6:8.1f} MB  created {e['created']}  last used "
               f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(e['used']))}")
     print(f"{root()}: {_bytes(root()) / 1e6:.1f} MB in all (torch's cache included), bound {MAX_BYTES / 1e6:.0f} MB")
 
