@@ -24,6 +24,7 @@ import torch
 from dflow_rt.config import RuntimeConfig
 from dflow_rt.errors import BusyError, InputError, RequestError
 from dflow_rt.fallback import ArFallback
+from dflow_rt.graphs import compile_cache
 from dflow_rt.graphs.plan import RoundPlan
 from dflow_rt.graphs.runner import build_rounds
 from dflow_rt.graphs.state import DecodeState
@@ -82,19 +83,13 @@ class Runtime:
         self._rids = itertools.count()  # next() is atomic: add_request may run beside a step()
         self._stepping = threading.Lock()
 
-    def _compile_cache(self):
-        """The disk cache's entry for these rounds (`dflow_rt.graphs.compile_cache`), or None where
-        rounds are not kept: eager, another compiler than inductor, frozen weights, or opted out."""
+    def _compile_cache(self) -> compile_cache.Entry | None:
+        """The disk cache's entry for these rounds, or None where rounds are not kept: eager, another
+        compiler than inductor, frozen weights, or opted out."""
         c = self.config
         if c.mode == "eager" or c.compiler != "inductor" or not c.compile_cache or c.freeze:
             return None
-        from dflow_rt.graphs import compile_cache
-
-        entry = compile_cache.Entry(*compile_cache.entry_key(self.target, self.drafter, self.plan.graph_settings()))
-        if not entry.dir.exists():
-            log.warning("compiling the rounds for these shapes (minutes if torch never compiled them here; later "
-                        "Runtimes load them from %s in seconds)", compile_cache.root())
-        return entry
+        return compile_cache.Entry(*compile_cache.entry_key(self.target, self.drafter, self.plan.graph_settings()))
 
     def add_request(self, prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int = 256,
                     temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,

@@ -38,7 +38,15 @@ def test_cached_rounds_decode_the_same_tokens_and_a_corrupt_entry_is_rebuilt(ref
     assert want == [dflow_rt.reference.generate(target, drafter, p, max_new_tokens=40).token_ids for p in prompts]
     assert not cache.exists()  # compile_cache=False writes nothing
 
-    first = Runtime(target, drafter, config())
+    grads = [torch.full_like(p, 0.5) for p in target.parameters()]  # as a model trained in this process has
+    for p, g in zip(target.parameters(), grads, strict=True):
+        p.grad = g
+    try:
+        first = Runtime(target, drafter, config())
+        assert all(p.grad is g for p, g in zip(target.parameters(), grads, strict=True))  # left as they were
+    finally:
+        for p in target.parameters():
+            p.grad = None
     (entry,) = compile_cache.entries()
     graphs = sorted((cache / entry["key"]).glob("*" + compile_cache.GRAPH))
     assert not first.compile_cache_hit and len(graphs) == entry["graphs"] == 2 * len(first.plan.round_widths(1))

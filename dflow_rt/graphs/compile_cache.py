@@ -138,7 +138,7 @@ class Entry:
         try:
             fn = torch.compiler.load_compiled_function(io.BytesIO(blob), external_data=external)
         except Exception as err:  # noqa: BLE001  (torch refused the bytes: whatever the reason, rebuild)
-            self._drop(name, f"was refused by torch ({type(err).__name__})")
+            self._drop(name, f"was refused by torch ({type(err).__name__}: {str(err)[:200]})")
             return None
         os.utime(self.dir / META)  # recently used
         self.loaded += 1

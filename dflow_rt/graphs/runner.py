@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -99,10 +99,13 @@ def _cached_graph(cache: compile_cache.Entry, name: str, models: tuple, kwargs: 
         fn = None
     if fn is not None:
         return fn
+    log.warning("compiling round %s (minutes on a CPU; kept in %s, from which later starts load it in about "
+                "a second)", name, cache.dir)
     try:
         mark_length_dynamic(example)
-        fn = torch.compile(decode_round, fullgraph=True, dynamic=False,
-                           backend=kwargs["plan"].compiler).aot_compile(((*models, example), kwargs))
+        with _without_grads(*models):
+            fn = torch.compile(decode_round, fullgraph=True, dynamic=False,
+                               backend=kwargs["plan"].compiler).aot_compile(((*models, example), kwargs))
         failed = _guard_failure(fn, models, ends, kwargs)
         if failed:
             raise RuntimeError(f"its guards reject this Runtime's state ({failed})")
@@ -115,6 +118,21 @@ def _cached_graph(cache: compile_cache.Entry, name: str, models: tuple, kwargs: 
     except OSError as err:  # a full or read-only disk: this process runs the graph all the same
         log.warning("could not keep round %s on disk (%s)", name, err)
     return fn
+
+
+@contextlib.contextmanager
+def _without_grads(*models) -> Iterator[None]:
+    """The models' parameters without their `.grad` while a graph is traced, then as they were: a
+    saved graph's guards record each parameter with its gradient, and torch cannot load back one
+    that no guard covers (a model trained in the same process would leave its graphs unloadable)."""
+    saved = [(p, p.grad) for m in models if m is not None for p in m.parameters() if p.grad is not None]
+    for p, _ in saved:
+        p.grad = None
+    try:
+        yield
+    finally:
+        for p, grad in saved:
+            p.grad = grad
 
 
 def _guard_failure(fn, models: tuple, ends: tuple[DecodeState, ...], kwargs: dict) -> str:
