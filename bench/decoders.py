@@ -37,7 +37,7 @@ Runner = Callable[[list[list[int]], int], Run]  # (prompts of one group, max_new
 def runtime_runner(target, drafter, config: RuntimeConfig, stops: Sequence[int]) -> Runner:
     """A Runtime of `config` (one batch bucket: its max_batch), built (and compiled) now, so that
     building is never timed; a call admits its prompts together, as a server would admit a full batch."""
-    config = replace(config, batch_buckets=(config.max_batch,), tuned=False)
+    config = replace(config, batch_buckets=(config.max_batch,), tuned=False, sampling=False)  # greedy runs
     rt = Runtime(target, drafter, config)
 
     def run(prompts: list[list[int]], max_new: int) -> Run:

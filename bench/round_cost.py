@@ -42,7 +42,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     target, drafter, tokenizer = load_models(args.target, args.drafter, "cpu", args.threads, True, None)
-    sizes = dict(max_batch=1, max_len=512, batch_buckets=(1,), tuned=False, ar_fallback=False)
+    sizes = dict(max_batch=1, max_len=512, batch_buckets=(1,), tuned=False, ar_fallback=False, sampling=False)
     runtimes = {f"DFlash k = {args.verify_width}, {mode}": Runtime(target, drafter, RuntimeConfig(
         **sizes, mode=mode, verify_width=args.verify_width)) for mode in ("eager", "compile")}
     runtimes["AR, compile"] = Runtime(target, None, RuntimeConfig(**sizes, mode="compile", verify_width=None))

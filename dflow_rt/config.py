@@ -61,6 +61,8 @@ class RuntimeConfig:
     FlashInfer attention, whose host-side plan is made per verify width.
     compile_cache: `compile` and `cudagraph` rounds are kept on disk (`dflow_rt.graphs.compile_cache`)
     and a later Runtime of the same shapes starts from them in seconds; False compiles afresh.
+    sampling: False builds only the rounds in which no request samples (greedy), half the graphs
+    a compiled Runtime compiles on its first start; `add_request` then refuses a temperature above 0.
     memory_limit: construction refuses a state (KV caches, relay buffer, rotary tables) larger
     than this many bytes, before allocating anything; by default, larger than the free memory
     of the models' device (`dflow_rt.limits`, which also checks every field's type and range).
@@ -81,6 +83,7 @@ class RuntimeConfig:
     compile_cache: bool = True
     freeze: bool = False
     ar_fallback: bool | str = AUTO
+    sampling: bool = True
 
     def widths(self, block_size: int) -> dict[int, int]:
         """Verify width k per batch bucket: the drafter drafts all B slots, the target checks the first

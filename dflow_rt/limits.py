@@ -80,6 +80,7 @@ FIELD_CHECKS: dict[str, Callable[[object, RuntimeConfig], object]] = {
     "compile_cache": lambda v, c: _flag("compile_cache", v),
     "freeze": lambda v, c: _flag("freeze", v),
     "ar_fallback": lambda v, c: v == AUTO or _flag("ar_fallback", v),
+    "sampling": lambda v, c: _flag("sampling", v),
 }
 
 

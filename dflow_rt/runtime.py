@@ -103,6 +103,9 @@ class Runtime:
         max_new_tokens = check_int("max_new_tokens", max_new_tokens, 1)
         check_fits(prompt.numel(), max_new_tokens, self.plan.block_size, self.config.max_len)
         sampling = check_sampling(temperature, top_k, top_p, seed, vocab)
+        if sampling.temperature > 0 and not self.plan.sampling:
+            raise InputError(f"temperature {sampling.temperature}: this Runtime has greedy rounds only "
+                             f"(RuntimeConfig(sampling=False)); build one with sampling=True to sample")
         stops = stop_set(stop_token_ids, vocab)
         rid = next(self._rids)
         seed = random.getrandbits(62) if sampling.seed is None else sampling.seed

@@ -8,6 +8,7 @@ from torch._dynamo.utils import counters
 
 import dflow_rt
 from dflow_rt.config import RuntimeConfig
+from dflow_rt.errors import InputError
 from dflow_rt.runtime import Runtime
 from tests.conftest import FIXTURES
 from tests.helpers import fixed, random_relay
@@ -80,6 +81,24 @@ def test_inductor_round_matches_reference_round(reference_pair):
     used.clear()
     assert rt.generate(pair, **kw) == eager.generate(pair, **kw)
     assert {key[2] for key in used} == {False}
+
+
+def test_a_greedy_only_runtime_builds_no_sampling_round(reference_pair):
+    """sampling=False: only greedy rounds exist (half the graphs to compile), they decode the
+    reference's tokens, and a request that would sample is refused before it queues."""
+    target, drafter = reference_pair
+    rt = Runtime(target, drafter, fixed(max_batch=2, max_len=160, mode="compile", compiler="aot_eager",
+                                        length_buckets=(64,), sampling=False))
+    assert {key[2] for key in rt.rounds} == {True}
+    assert len(rt.rounds) == len(Runtime(target, drafter, fixed(max_batch=2, max_len=160, length_buckets=(64,)))
+                                 .rounds) // 2
+    with pytest.raises(InputError, match="greedy rounds only"):
+        rt.add_request(CASES[0]["prompt_ids"], max_new_tokens=8, temperature=0.7)
+    assert not rt.waiting
+    outs, counts = per_round(rt, [c["prompt_ids"] for c in CASES[:2]], 64)
+    for case, out, cnt in zip(CASES[:2], outs, counts, strict=True):
+        ref = dflow_rt.reference.generate(target, drafter, case["prompt_ids"], max_new_tokens=64)
+        assert out == ref.token_ids == case["output_ids"] and cnt == reference_counts(ref)
 
 
 @pytest.mark.parametrize("mode", ["eager", "compile"])

@@ -22,6 +22,7 @@ class RoundPlan:
     rows: tuple[int, ...]  # batch buckets: a round runs the first `rows` rows of the state
     lengths: tuple[int, ...]  # length buckets: a round attends over the first `length` cache positions
     widths: dict[int, int]  # verify width per batch bucket
+    sampling: bool  # rounds in which a row samples are built (RuntimeConfig.sampling); else only greedy ones
     ar_fallback: bool  # each bucket also has rounds at widths 1 (no draft pass) and ceil(k / 2): `round_widths`
     block_size: int  # B: 1 without a drafter
     filler: int  # block slots 1.. before drafting: the drafter's mask token (0 without a drafter)
@@ -40,7 +41,7 @@ class RoundPlan:
         fallback = c.ar_fallback is True and drafter is not None and max(widths.values()) > 1 \
             and not hasattr(kernels.attention, "plan")  # FlashInfer plans per verify width
         return cls(mode=c.mode, compiler=c.compiler, freeze=c.freeze, rows=c.buckets(), lengths=lengths,
-                   widths=widths, ar_fallback=fallback, block_size=block_size,
+                   widths=widths, sampling=c.sampling, ar_fallback=fallback, block_size=block_size,
                    filler=drafter.config.mask_token_id if drafter is not None else 0,
                    exclude=excluded_token(drafter, c.emit_mask_token),
                    layer_ids=drafter.target_layer_ids if drafter is not None else (),

@@ -35,7 +35,7 @@ def build_rounds(target, drafter, state: DecodeState, plan: RoundPlan,
     """
     views = {(n, L): state.view(n, L) for n in plan.rows for L in plan.lengths}
     graphs = {(n, g, k): functools.partial(decode_round, target, drafter, plan=plan, width=k, greedy=g)
-              for n in plan.rows for g in greedy_variants(plan.mode) for k in plan.round_widths(n)}
+              for n in plan.rows for g in greedy_variants(plan.mode, plan.sampling) for k in plan.round_widths(n)}
     if plan.mode != "eager":
         cpu_gemv.enabled()  # built or loaded now: a trace never builds it
         with compiling(plan.compiler, state.tokens.device, plan.freeze):
@@ -157,9 +157,12 @@ def _planned(before: Callable[[int, int], None], key: tuple[int, int], run: Call
     run()
 
 
-def greedy_variants(mode: str) -> tuple[bool, ...]:
+def greedy_variants(mode: str, sampling: bool) -> tuple[bool, ...]:
     """The round variants built per bucket: sampling, and greedy (which skips the sampler) except
-    for `cudagraph`, where a second captured graph per bucket costs capture time and memory."""
+    for `cudagraph`, where a second captured graph per bucket costs capture time and memory;
+    greedy alone without `sampling`."""
+    if not sampling:
+        return (True,)
     return (False,) if mode == "cudagraph" else (False, True)
 
 
