@@ -124,6 +124,11 @@ def test_the_cache_keeps_its_bound_and_clears(cache):
     old = cache / "k3"  # an entry of an older format (one blob, no graphs), recently used: no Runtime reads it
     old.mkdir()
     (old / compile_cache.META).write_text(json.dumps({"bytes": 10, "sha256": ""}))
-    compile_cache.prune(700)
-    assert [e["key"] for e in compile_cache.entries()] == ["k2", "k1"]
+    for name, age in (("k4", 7200), ("k5", 0)):  # graphs without entry.json: a stopped process's, or a running one's
+        torn = cache / name
+        torn.mkdir()
+        (torn / ("g" + compile_cache.GRAPH)).write_bytes(b"x" * 50)
+        compile_cache.os.utime(torn, (compile_cache.time.time() - age,) * 2)
+    compile_cache.prune(750)
+    assert [e["key"] for e in compile_cache.entries()] == ["k5", "k2", "k1"]
     assert compile_cache.clear() >= 600 and compile_cache.entries() == [] and not cache.exists()

@@ -49,11 +49,14 @@ def root() -> Path:
 
 
 def _code_digest() -> str:
-    """Our traced source: a change to the round or the models is a new key."""
+    """Our traced source: a change to the round or the models is a new key (this file, which only
+    stores what they compile to, is not part of it)."""
     pkg, h = Path(__file__).resolve().parent.parent, hashlib.sha256()
     for name in SOURCES:
         path = pkg / name
         for f in sorted(path.rglob("*.py")) if path.is_dir() else [path]:
+            if f.name == Path(__file__).name:
+                continue
             h.update(f.relative_to(pkg).as_posix().encode() + f.read_bytes())
     return h.hexdigest()[:16]
 
@@ -170,33 +173,39 @@ def _write(path: Path, data: bytes) -> None:
 
 
 def entries() -> list[dict]:
-    """Every complete entry, most recently used first: key, bytes, last use."""
+    """Every entry, most recently used first: key, bytes, last use, graphs (None: an older format,
+    which no Runtime reads), readable (False: no readable entry.json, as a process stopped between
+    writing its first graph and listing it leaves)."""
     out = []
     for entry in root().glob("*") if root().is_dir() else ():
-        if entry.name == INDUCTOR:
+        if entry.name == INDUCTOR or entry.name.startswith(".") or not entry.is_dir():
             continue
         try:
             meta, used = json.loads((entry / META).read_text()), (entry / META).stat().st_mtime
         except (OSError, ValueError):
-            continue
-        graphs = meta.get("graphs") if isinstance(meta, dict) else None  # None: an older format, never read
-        out.append({"key": entry.name, "bytes": _bytes(entry), "used": used, "created": meta.get("created"),
+            meta, used = None, entry.stat().st_mtime
+        graphs = meta.get("graphs") if isinstance(meta, dict) else None
+        out.append({"key": entry.name, "bytes": _bytes(entry), "used": used, "readable": meta is not None,
+                    "created": meta.get("created") if isinstance(meta, dict) else None,
                     "graphs": len(graphs) if isinstance(graphs, dict) else None})
     return sorted(out, key=lambda e: -e["used"])
 
 
 def prune(max_bytes: int) -> None:
-    """Drop least recently used entries (and leftovers of interrupted writes) beyond `max_bytes`, and
-    entries of an older format, which no Runtime reads; then torch's cache under ours if it alone would
-    break the bound (it is rebuilt on demand)."""
+    """Drop least recently used entries (and leftovers of interrupted writes) beyond `max_bytes`,
+    entries of an older format, and unreadable ones left for an hour (a younger one may be another
+    process's first graph being listed); then torch's cache under ours if it alone would break the
+    bound (it is rebuilt on demand)."""
     total = _bytes(root() / INDUCTOR)
     if total > max_bytes:
         shutil.rmtree(root() / INDUCTOR, ignore_errors=True)
         total = 0
     for e in entries():
-        total += e["bytes"] if e["graphs"] is not None else 0
-        if e["graphs"] is None or total > max_bytes:
+        stale = e["graphs"] is None and (e["readable"] or time.time() - e["used"] > 3600)
+        if stale or total + e["bytes"] > max_bytes:
             shutil.rmtree(root() / e["key"], ignore_errors=True)
+        else:
+            total += e["bytes"]
     leftovers = [*root().glob(".*"), *(p for p in root().glob("*/.*") if p.parent.name != INDUCTOR)]
     for leftover in leftovers:
         if time.time() - leftover.stat().st_mtime > 3600:
@@ -222,7 +231,8 @@ def _cmd(args) -> None:
         print(f"removed {root()}: {clear() / 1e6:.1f} MB")
         return
     for e in entries():
-        graphs = "older format" if e["graphs"] is None else f"{e['graphs']:2d} graphs"
+        graphs = f"{e['graphs']:2d} graphs" if e["graphs"] is not None else "older format" if e["readable"] \
+            else "unreadable"
         print(f"{e['key']}  {graphs} {e['bytes'] / 1e6:8.1f} MB  created {e['created']}  last used "
               f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(e['used']))}")
     print(f"{root()}: {_bytes(root()) / 1e6:.1f} MB in all (torch's cache included), bound {MAX_BYTES / 1e6:.0f} MB")
