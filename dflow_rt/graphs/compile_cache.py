@@ -55,7 +55,7 @@ def _code_digest() -> str:
     for name in SOURCES:
         path = pkg / name
         for f in sorted(path.rglob("*.py")) if path.is_dir() else [path]:
-            if f.name == Path(__file__).name:
+            if f == Path(__file__).resolve():
                 continue
             h.update(f.relative_to(pkg).as_posix().encode() + f.read_bytes())
     return h.hexdigest()[:16]
