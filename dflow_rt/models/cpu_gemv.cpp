@@ -96,11 +96,14 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w) {
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  // Tile shapes (rows of x by rows of w) from bench/cpu_gemv.py; any shape sums an element alike.
+  // Tile shapes (rows of x by rows of w) from bench/cpu_gemv.py and bench/gemv_tiles.py; any shape
+  // sums an element alike. A decode step streams 8 rows of w at once on either instruction set.
 #if defined(__AVX512F__)
-  product<4, 4>(xp, wp, yp, M, K, N);
+  if (M == 1) product<1, 8>(xp, wp, yp, M, K, N);
+  else if (M < 4) product<2, 8>(xp, wp, yp, M, K, N);
+  else product<4, 6>(xp, wp, yp, M, K, N);
 #else
-  if (M == 1) product<1, 8>(xp, wp, yp, M, K, N);  // a decode step: more rows of w streaming at once
+  if (M == 1) product<1, 8>(xp, wp, yp, M, K, N);
   else if (M < 4) product<2, 4>(xp, wp, yp, M, K, N);
   else product<4, 2>(xp, wp, yp, M, K, N);
 #endif

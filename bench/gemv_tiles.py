@@ -1,0 +1,126 @@
+"""Tile shapes for the CPU product kernel (`dflow_rt/models/cpu_gemv.cpp`) on this machine's
+instruction set: each variant is the kernel's source with another dispatch (a tile of rows of x by
+rows of w per row count), built as a library of its own and timed on one SmolLM2 step's products
+(random weights of its shapes) next to a read of the same bytes, variants interleaved.
+
+    python bench/gemv_tiles.py --threads 2 --rows 1 2 4 8 --repeats 7
+
+Every variant sums each element in the kernel's one fixed order, so all must agree bit for bit with
+the shipped kernel; the script checks that before it times anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from dflow_rt.models import cpu_gemv
+
+# (rows of x, rows of w) per row count: 1 row, 2-3 rows, 4 rows and more.
+VARIANTS = {
+    "4x4": ((4, 4), (4, 4), (4, 4)),
+    "1x6 2x8 4x6": ((1, 6), (2, 8), (4, 6)),
+    "1x8 2x8 4x6": ((1, 8), (2, 8), (4, 6)),
+    "1x12 2x8 4x6": ((1, 12), (2, 8), (4, 6)),
+    "1x8 2x4 4x2": ((1, 8), (2, 4), (4, 2)),
+}
+# One SmolLM2-135M step: 30 layers of q, k, v, o, gate, up, down, then the head ([out, in]).
+LAYER = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
+STEP = LAYER * 30 + [(49152, 576)]
+
+
+def variant_source(name: str, tiles: tuple) -> tuple[str, str]:
+    """The kernel's source with `tiles` as its dispatch on every instruction set, registered as
+    `torch.ops.<namespace>.gemv` so that several variants load into one process."""
+    src = cpu_gemv.SOURCE.read_text()
+    (one, few, many) = tiles
+    dispatch = (f"if (M == 1) product<{one[0]}, {one[1]}>(xp, wp, yp, M, K, N);\n"
+                f"  else if (M < 4) product<{few[0]}, {few[1]}>(xp, wp, yp, M, K, N);\n"
+                f"  else product<{many[0]}, {many[1]}>(xp, wp, yp, M, K, N);\n")
+    src, n = re.subn(r"#if defined\(__AVX512F__\)\n  [^\n]*product<.*?#endif\n", dispatch, src, flags=re.S)
+    assert n == 1, "the kernel's dispatch block changed: update this script"
+    namespace = "tiles_" + re.sub(r"\W", "_", name)
+    src, n = re.subn(r"TORCH_LIBRARY_IMPL\(dflow_rt, CPU, m\) \{\n  m.impl\(\"gemv\", &gemv\);",
+                     f'TORCH_LIBRARY({namespace}, m) {{\n  m.def("gemv(Tensor x, Tensor w) -> Tensor", &gemv);', src)
+    assert n == 1, "the kernel's registration changed: update this script"
+    return namespace, src
+
+
+def build(name: str, tiles: tuple, root: Path):
+    from torch._inductor.cpp_builder import CppBuilder, CppTorchOptions
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    namespace, src = variant_source(name, tiles)
+    out = root / namespace
+    out.mkdir()
+    (out / "gemv.cpp").write_text(src)
+    options = CppTorchOptions(vec_isa=pick_vec_isa(), include_pytorch=True, shared=True, extra_flags=("-O3",))
+    builder = CppBuilder(name=namespace, sources=[str(out / "gemv.cpp")], BuildOption=options, output_dir=str(out))
+    builder.build()
+    torch.ops.load_library(builder.get_target_file_path())
+    return getattr(torch.ops, namespace).gemv
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8])
+    p.add_argument("--repeats", type=int, default=7, help="interleaved passes over all variants")
+    p.add_argument("--steps", type=int, default=3, help="whole steps timed per pass (their median)")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    assert cpu_gemv.enabled(), "the shipped kernel does not build or load here"
+    isa = torch.backends.cpu.get_cpu_capability()
+    print(f"instruction set {isa}, {args.threads} threads, torch {torch.__version__}")
+    weights = [torch.randn(n, k) for n, k in STEP]
+    gb = sum(w.numel() for w in weights) * 4 / 1e9
+    flat = torch.cat([w.flatten() for w in weights])
+    with tempfile.TemporaryDirectory() as root:
+        kernels = {name: build(name, tiles, Path(root)) for name, tiles in VARIANTS.items()}
+    shipped = torch.ops.dflow_rt.gemv
+    for rows in args.rows:  # bit-identical to the shipped kernel, every shape and row count
+        for n, k in set(STEP):
+            x, w = torch.randn(rows, k), torch.randn(n, k)
+            for name, gemv in kernels.items():
+                assert torch.equal(gemv(x, w), shipped(x, w)), f"{name} differs at rows {rows}, [{n}, {k}]"
+    print(f"all variants bit-identical to the shipped kernel; one step reads {gb:.2f} GB")
+
+    def step(gemv, xs):
+        for w in weights:
+            gemv(xs[w.shape[1]], w)
+
+    def timed(fn, *fn_args) -> float:
+        ts = []
+        for _ in range(args.steps):
+            t0 = time.perf_counter()
+            fn(*fn_args)
+            ts.append(time.perf_counter() - t0)
+        return statistics.median(ts)
+
+    results: dict[tuple, list[float]] = {}
+    for rows in args.rows:
+        xs = {k: torch.randn(rows, k) for k in (576, 1536)}
+        for gemv in kernels.values():
+            step(gemv, xs)  # warm
+        for _ in range(args.repeats):
+            results.setdefault(("read", rows), []).append(timed(flat.sum))
+            for name, gemv in kernels.items():
+                results.setdefault((name, rows), []).append(timed(step, gemv, xs))
+    for rows in args.rows:
+        base = statistics.median(results[("4x4", rows)])
+        read = statistics.median(results[("read", rows)])
+        print(f"rows {rows}: read {gb / read:.1f} GB/s ({read * 1e3:.1f} ms)")
+        for name in VARIANTS:
+            t = statistics.median(results[(name, rows)])
+            print(f"  {name:14s} {t * 1e3:6.1f} ms  {gb / t:5.1f} GB/s  {base / t:5.3f}x 4x4  "
+                  f"{read / t * 100:3.0f} % of the read")
+
+
+if __name__ == "__main__":
+    main()
