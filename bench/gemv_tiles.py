@@ -3,7 +3,7 @@ instruction set: each variant is the kernel's source with another dispatch (a ti
 rows of w per row count), built as a library of its own and timed on one SmolLM2 step's products
 (random weights of its shapes) next to a read of the same bytes, variants interleaved.
 
-    python bench/gemv_tiles.py --threads 2 --rows 1 2 4 8 --repeats 7
+    python bench/gemv_tiles.py --threads 2 --rows 1 2 4 8 --repeats 7 [--set prefetch]
 
 Every variant sums each element in the kernel's one fixed order, so all must agree bit for bit with
 the shipped kernel; the script checks that before it times anything.
@@ -22,24 +22,39 @@ import torch
 
 from dflow_rt.models import cpu_gemv
 
-# (rows of x, rows of w) per row count: 1 row, 2-3 rows, 4 rows and more.
+# (rows of x, rows of w) per row count: 1 row, 2-3 rows, 4 rows and more; then how many blocks of w
+# ahead every tile prefetches (0: the hardware prefetcher alone). The first variant is the baseline.
 VARIANTS = {
-    "4x4": ((4, 4), (4, 4), (4, 4)),
-    "1x6 2x8 4x6": ((1, 6), (2, 8), (4, 6)),
-    "1x8 2x8 4x6": ((1, 8), (2, 8), (4, 6)),
-    "1x12 2x8 4x6": ((1, 12), (2, 8), (4, 6)),
-    "1x8 2x4 4x2": ((1, 8), (2, 4), (4, 2)),
+    "4x4": (((4, 4), (4, 4), (4, 4)), 1),
+    "1x6 2x8 4x6": (((1, 6), (2, 8), (4, 6)), 1),
+    "1x8 2x8 4x6": (((1, 8), (2, 8), (4, 6)), 1),
+    "1x12 2x8 4x6": (((1, 12), (2, 8), (4, 6)), 1),
+    "1x8 2x4 4x2": (((1, 8), (2, 4), (4, 2)), 1),
+}
+SHIPPED = ((1, 1), (2, 8), (4, 6))  # AVX-512; a single row of w (1x1) is never prefetched
+SETS = {
+    "tiles": VARIANTS,
+    # the shipped tiles of 2 rows of x and more, prefetching 1 block ahead (as shipped), 0, 2 or 4
+    "prefetch": {f"ahead {d}": (SHIPPED, d) for d in (1, 0, 2, 4)},
+    # one row of x: fewer rows of w at once are fewer concurrent streams for the hardware prefetcher
+    "one-row": {f"1x{n} ahead {d}": (((1, n), *SHIPPED[1:]), d)
+                for n, d in ((8, 1), (8, 0), (1, 1), (1, 0), (2, 1), (4, 0), (16, 1))},
 }
 # One SmolLM2-135M step: 30 layers of q, k, v, o, gate, up, down, then the head ([out, in]).
 LAYER = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
 STEP = LAYER * 30 + [(49152, 576)]
 
 
-def variant_source(name: str, tiles: tuple) -> tuple[str, str]:
-    """The kernel's source with `tiles` as its dispatch on every instruction set, registered as
-    `torch.ops.<namespace>.gemv` so that several variants load into one process."""
+def variant_source(name: str, tiles: tuple, ahead: int) -> tuple[str, str]:
+    """The kernel's source with `tiles` as its dispatch on every instruction set and its prefetch
+    `ahead` blocks of w ahead, registered as `torch.ops.<namespace>.gemv` so that several variants
+    load into one process."""
     src = cpu_gemv.SOURCE.read_text()
     (one, few, many) = tiles
+    for old, new in (("(n0 + RW + j)", f"(n0 + {max(ahead, 1)} * RW + j)"),
+                     ("RW > 1 && b + 1 < end ? RW : 0", f"b + {ahead} < end && {ahead} > 0 ? RW : 0")):
+        assert src.count(old) == 1, "the kernel's prefetch changed: update this script"
+        src = src.replace(old, new)
     dispatch = (f"if (M == 1) product<{one[0]}, {one[1]}>(xp, wp, yp, M, K, N);\n"
                 f"  else if (M < 4) product<{few[0]}, {few[1]}>(xp, wp, yp, M, K, N);\n"
                 f"  else product<{many[0]}, {many[1]}>(xp, wp, yp, M, K, N);\n")
@@ -52,11 +67,11 @@ def variant_source(name: str, tiles: tuple) -> tuple[str, str]:
     return namespace, src
 
 
-def build(name: str, tiles: tuple, root: Path):
+def build(name: str, tiles: tuple, ahead: int, root: Path):
     from torch._inductor.cpp_builder import CppBuilder, CppTorchOptions
     from torch._inductor.cpu_vec_isa import pick_vec_isa
 
-    namespace, src = variant_source(name, tiles)
+    namespace, src = variant_source(name, tiles, ahead)
     out = root / namespace
     out.mkdir()
     (out / "gemv.cpp").write_text(src)
@@ -73,7 +88,9 @@ def main() -> None:
     p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--repeats", type=int, default=7, help="interleaved passes over all variants")
     p.add_argument("--steps", type=int, default=3, help="whole steps timed per pass (their median)")
+    p.add_argument("--set", choices=SETS, default="tiles", help="which variants (the first is the baseline)")
     args = p.parse_args()
+    variants = SETS[args.set]
     torch.set_num_threads(args.threads)
     assert cpu_gemv.enabled(), "the shipped kernel does not build or load here"
     isa = torch.backends.cpu.get_cpu_capability()
@@ -82,7 +99,7 @@ def main() -> None:
     gb = sum(w.numel() for w in weights) * 4 / 1e9
     flat = torch.cat([w.flatten() for w in weights])
     with tempfile.TemporaryDirectory() as root:
-        kernels = {name: build(name, tiles, Path(root)) for name, tiles in VARIANTS.items()}
+        kernels = {name: build(name, tiles, ahead, Path(root)) for name, (tiles, ahead) in variants.items()}
     shipped = torch.ops.dflow_rt.gemv
     for rows in args.rows:  # bit-identical to the shipped kernel, every shape and row count
         for n, k in set(STEP):
@@ -112,13 +129,14 @@ def main() -> None:
             results.setdefault(("read", rows), []).append(timed(flat.sum))
             for name, gemv in kernels.items():
                 results.setdefault((name, rows), []).append(timed(step, gemv, xs))
+    first = next(iter(variants))
     for rows in args.rows:
-        base = statistics.median(results[("4x4", rows)])
+        base = statistics.median(results[(first, rows)])
         read = statistics.median(results[("read", rows)])
         print(f"rows {rows}: read {gb / read:.1f} GB/s ({read * 1e3:.1f} ms)")
-        for name in VARIANTS:
+        for name in variants:
             t = statistics.median(results[(name, rows)])
-            print(f"  {name:14s} {t * 1e3:6.1f} ms  {gb / t:5.1f} GB/s  {base / t:5.3f}x 4x4  "
+            print(f"  {name:14s} {t * 1e3:6.1f} ms  {gb / t:5.1f} GB/s  {base / t:5.3f}x {first}  "
                   f"{read / t * 100:3.0f} % of the read")
 
 

@@ -77,12 +77,14 @@ inline void block(const float* x, const float* w, float* y, int64_t M, int64_t K
   for (; m < M; ++m) tile<1, RW>(x, w, y, K, N, m, n0, m == 0 ? ahead : 0);
 }
 
-// Blocks of RW rows of w split over threads; the last N % RW rows one at a time.
+// Blocks of RW rows of w split over threads; the last N % RW rows one at a time. A block of several
+// rows prefetches the next; a single row of w at a time is one sequential stream, which the hardware
+// prefetcher follows best alone (bench/gemv_tiles.py).
 template <int RX, int RW>
 void product(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N) {
   const int64_t blocks = N / RW;
   at::parallel_for(0, blocks, 64 / RW, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) block<RX, RW>(x, w, y, M, K, N, b * RW, b + 1 < end ? RW : 0);
+    for (int64_t b = begin; b < end; ++b) block<RX, RW>(x, w, y, M, K, N, b * RW, RW > 1 && b + 1 < end ? RW : 0);
   });
   for (int64_t n = blocks * RW; n < N; ++n) block<RX, 1>(x, w, y, M, K, N, n, 0);
 }
@@ -97,9 +99,9 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w) {
   const float* wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   // Tile shapes (rows of x by rows of w) from bench/cpu_gemv.py and bench/gemv_tiles.py; any shape
-  // sums an element alike. A decode step streams 8 rows of w at once on either instruction set.
+  // sums an element alike.
 #if defined(__AVX512F__)
-  if (M == 1) product<1, 8>(xp, wp, yp, M, K, N);
+  if (M == 1) product<1, 1>(xp, wp, yp, M, K, N);
   else if (M < 4) product<2, 8>(xp, wp, yp, M, K, N);
   else product<4, 6>(xp, wp, yp, M, K, N);
 #else
