@@ -1,8 +1,9 @@
 // y = x @ w.T for a few rows of x (decode and verify passes), float32, AVX-512 or AVX2 with FMA.
 //
-// At 1-16 rows a product is mostly a read of w: each block of 2-8 rows of w comes from memory once,
-// prefetched while the block before it is used, and is dotted with every row of x from L1
-// (bench/cpu_gemv.py has the rates against the GEMM library). Every
+// At 1-16 rows a product is mostly a read of w: each block of rows of w comes from memory once and
+// is dotted with every row of x from L1. A block of several rows is prefetched while the block before
+// it is used; a decode step on AVX-512 streams one row at a time (bench/cpu_gemv.py has the rates
+// against the GEMM library, bench/gemv_tiles.py the tile shapes). Every
 // output element is summed in one fixed order (one lane per k modulo the vector width, then a fixed
 // tree), independent of the row count and the thread split: a row's result is bit-identical in a
 // 1-row step and in a 4-row verify pass.
