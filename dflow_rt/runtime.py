@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dflow_rt import huge_pages
 from dflow_rt.config import RuntimeConfig
 from dflow_rt.errors import BusyError, InputError, RequestError
 from dflow_rt.fallback import ArFallback
@@ -68,6 +69,7 @@ class Runtime:
         self.target, self.drafter = target, drafter
         self.plan = plan = RoundPlan.of(c, target, drafter)
         check_memory(c, target, drafter, plan.block_size)
+        huge_pages.place(target, drafter)  # CPU weights streamed each step: fewer page walks
         before = self.prepare_attention if hasattr(plan.kernels.attention, "plan") else None  # FlashInfer
         self.rows: list[Request | None] = [None] * c.max_batch
         with rotary_growth(c.max_len, target, drafter):  # undone if construction fails
