@@ -3,7 +3,7 @@ instruction set: each variant is the kernel's source with another dispatch (a ti
 rows of w per row count), built as a library of its own and timed on one SmolLM2 step's products
 (random weights of its shapes) next to a read of the same bytes, variants interleaved.
 
-    python bench/gemv_tiles.py --threads 2 --rows 1 2 4 8 --repeats 7 [--set prefetch]
+    python bench/gemv_tiles.py --threads 2 --rows 1 2 4 8 --repeats 7 [--set prefetch] [--huge-pages]
 
 Every variant sums each element in the kernel's one fixed order, so all must agree bit for bit with
 the shipped kernel; the script checks that before it times anything.
@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from dflow_rt import huge_pages
 from dflow_rt.models import cpu_gemv
 
 # (rows of x, rows of w) per row count: 1 row, 2-3 rows, 4 rows and more; then how many blocks of w
@@ -30,6 +31,8 @@ VARIANTS = {
     "1x8 2x8 4x6": (((1, 8), (2, 8), (4, 6)), 1),
     "1x12 2x8 4x6": (((1, 12), (2, 8), (4, 6)), 1),
     "1x8 2x4 4x2": (((1, 8), (2, 4), (4, 2)), 1),
+    "1x1 2x12 4x4": (((1, 1), (2, 12), (4, 4)), 1),
+    "1x1 2x8 8x3": (((1, 1), (2, 8), (8, 3)), 1),
 }
 SHIPPED = ((1, 1), (2, 8), (4, 6))  # AVX-512; a single row of w (1x1) is never prefetched
 SETS = {
@@ -89,6 +92,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=7, help="interleaved passes over all variants")
     p.add_argument("--steps", type=int, default=3, help="whole steps timed per pass (their median)")
     p.add_argument("--set", choices=SETS, default="tiles", help="which variants (the first is the baseline)")
+    p.add_argument("--huge-pages", action="store_true", help="the weights in huge pages, as a Runtime places them")
     args = p.parse_args()
     variants = SETS[args.set]
     torch.set_num_threads(args.threads)
@@ -96,6 +100,10 @@ def main() -> None:
     isa = torch.backends.cpu.get_cpu_capability()
     print(f"instruction set {isa}, {args.threads} threads, torch {torch.__version__}")
     weights = [torch.randn(n, k) for n, k in STEP]
+    if args.huge_pages:
+        held = torch.nn.ParameterList(weights)
+        assert huge_pages.place(held), "huge pages unavailable here"
+        weights = [w.data for w in held]
     gb = sum(w.numel() for w in weights) * 4 / 1e9
     flat = torch.cat([w.flatten() for w in weights])
     with tempfile.TemporaryDirectory() as root:
