@@ -92,7 +92,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=7, help="interleaved passes over all variants")
     p.add_argument("--steps", type=int, default=3, help="whole steps timed per pass (their median)")
     p.add_argument("--set", choices=SETS, default="tiles", help="which variants (the first is the baseline)")
-    p.add_argument("--huge-pages", action="store_true", help="the weights in huge pages, as a Runtime places them")
+    p.add_argument("--huge-pages", action="store_true",
+                   help="the weights in huge pages, as a Runtime places them (the read probe stays in 4 KB pages)")
     args = p.parse_args()
     variants = SETS[args.set]
     torch.set_num_threads(args.threads)

@@ -12,7 +12,7 @@ import os
 import statistics
 
 import torch
-from round_cost import per_round_ms  # bench/ is on the path when run as a script
+from round_cost import SIZES, per_round_ms  # bench/ is on the path when run as a script
 
 from dflow_rt.config import RuntimeConfig
 from dflow_rt.data.prompts import suite_prompts
@@ -29,13 +29,11 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    sizes = dict(max_batch=1, max_len=512, batch_buckets=(1,), tuned=False, ar_fallback=False, sampling=False,
-                 mode="compile", verify_width=None)  # bench/round_cost.py's AR Runtime: the same compiled graph
     runtimes = {}
     for name, env in (("huge pages", "1"), ("4 KB pages", "0")):
         os.environ["DFLOW_RT_HUGE_PAGES"] = env
         target, _, tokenizer = load_models(args.target, None, "cpu", args.threads, True, None)
-        runtimes[name] = Runtime(target, None, RuntimeConfig(**sizes))
+        runtimes[name] = Runtime(target, None, RuntimeConfig(**SIZES, mode="compile", verify_width=None))
     granted = [line.split()[1] for line in open("/proc/self/smaps_rollup") if line.startswith("AnonHugePages")]
     print(f"huge pages granted to this process: {granted[0] if granted else '?'} kB")
     times: dict[str, list[float]] = {name: [] for name in runtimes}

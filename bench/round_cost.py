@@ -18,6 +18,10 @@ from dflow_rt.data.prompts import suite_prompts
 from dflow_rt.models.bundled import load_models
 from dflow_rt.runtime import Runtime
 
+# batch 1, fallback off, greedy rounds only: also the Runtimes of step_profile.py and huge_pages.py, which
+# then load the compiled rounds this script compiled
+SIZES = dict(max_batch=1, max_len=512, batch_buckets=(1,), tuned=False, ar_fallback=False, sampling=False)
+
 
 def per_round_ms(rt: Runtime, prompt: list[int], max_new: int) -> float:
     rid = rt.add_request(prompt, max_new_tokens=max_new)
@@ -42,10 +46,9 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     target, drafter, tokenizer = load_models(args.target, args.drafter, "cpu", args.threads, True, None)
-    sizes = dict(max_batch=1, max_len=512, batch_buckets=(1,), tuned=False, ar_fallback=False, sampling=False)
     runtimes = {f"DFlash k = {args.verify_width}, {mode}": Runtime(target, drafter, RuntimeConfig(
-        **sizes, mode=mode, verify_width=args.verify_width)) for mode in ("eager", "compile")}
-    runtimes["AR, compile"] = Runtime(target, None, RuntimeConfig(**sizes, mode="compile", verify_width=None))
+        **SIZES, mode=mode, verify_width=args.verify_width)) for mode in ("eager", "compile")}
+    runtimes["AR, compile"] = Runtime(target, None, RuntimeConfig(**SIZES, mode="compile", verify_width=None))
     times: dict[str, list[float]] = {name: [] for name in runtimes}
     for prompt in suite_prompts(tokenizer, "code", args.prompts):
         for name, rt in runtimes.items():  # interleaved, so that drift reaches all alike

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 
 import torch
+from round_cost import SIZES  # bench/ is on the path when run as a script
 from torch.profiler import ProfilerActivity, profile
 
 from dflow_rt.config import RuntimeConfig
@@ -30,9 +31,7 @@ def main() -> None:
     drafted = args.drafter != "none"
     target, drafter, tokenizer = load_models(args.target, args.drafter if drafted else None, "cpu",
                                              args.threads, True, None)
-    # the sizes of bench/round_cost.py, so that both load the same compiled rounds
-    rt = Runtime(target, drafter, RuntimeConfig(max_batch=1, max_len=512, batch_buckets=(1,), tuned=False,
-                                                ar_fallback=False, sampling=False, mode="compile",
+    rt = Runtime(target, drafter, RuntimeConfig(**SIZES, mode="compile",
                                                 verify_width=args.verify_width if drafted else None))
     prompt = suite_prompts(tokenizer, "code", 1)[0]
     rid = rt.add_request(prompt, max_new_tokens=args.steps + 8)

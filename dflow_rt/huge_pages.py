@@ -26,7 +26,7 @@ _MOVED = "_dflow_rt_huge_pages"  # set on a model whose weights were placed
 
 
 def available() -> bool:
-    return (hasattr(mmap, "MADV_HUGEPAGE") and os.environ.get("DFLOW_RT_HUGE_PAGES", "1") != "0")
+    return hasattr(mmap, "MADV_HUGEPAGE") and os.environ.get("DFLOW_RT_HUGE_PAGES", "1") != "0"
 
 
 def place(*models: nn.Module | None, min_bytes: int = MIN_BYTES) -> bool:

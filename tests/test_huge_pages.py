@@ -29,9 +29,10 @@ def test_place_keeps_values_objects_and_ties(monkeypatch):
         assert torch.equal(p, value) and p.dtype == value.dtype and p.requires_grad == grad
     assert a[1].weight is a[0].weight and b[0].weight is a[2].weight
     assert {id(p) for m in (a, b) for p in m.parameters()} == set(before)
-    ptrs = sorted(p.data_ptr() for p, _, _ in before.values())
-    assert ptrs[0] % huge_pages.HUGE == 0  # the first weight starts a huge page
-    assert all(q - p >= 64 for p, q in zip(ptrs, ptrs[1:], strict=False))  # one copy each, none overlapping
+    spans = sorted((p.data_ptr(), p.numel() * p.element_size()) for p, _, _ in before.values())
+    assert spans[0][0] % huge_pages.HUGE == 0  # the first weight starts a huge page
+    for (start, size), (after, _) in zip(spans, spans[1:], strict=False):  # one copy each, none overlapping
+        assert after >= start + size and after % 64 == 0
     assert not huge_pages.place(a, b, min_bytes=0)  # placed once
     out = a[2](torch.randn(3, 8, dtype=torch.float64))  # still ordinary, trainable parameters
     out.sum().backward()
