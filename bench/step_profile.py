@@ -26,6 +26,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rows", type=int, default=25, help="ops shown")
+    p.add_argument("--shapes", action="store_true", help="one line per op and input shapes")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     drafted = args.drafter != "none"
@@ -37,16 +38,17 @@ def main() -> None:
     rid = rt.add_request(prompt, max_new_tokens=args.steps + 8)
     for _ in range(4):  # prefill and warm rounds
         rt.step()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=args.shapes) as prof:
         steps = 0
         while steps < args.steps and not rt.is_finished(rid):
             rt.step()
             steps += 1
-    events = prof.key_averages()
+    events = prof.key_averages(group_by_input_shape=args.shapes)
     total = sum(e.self_cpu_time_total for e in events) / steps / 1e3
     print(f"{steps} {'rounds' if drafted else 'steps'}, {total:.2f} ms self CPU time each (all threads' ops)")
     for e in sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:args.rows]:
-        print(f"{e.self_cpu_time_total / steps / 1e3:7.2f} ms  {e.count / steps:6.1f} calls  {e.key[:90]}")
+        print(f"{e.self_cpu_time_total / steps / 1e3:7.2f} ms  {e.count / steps:6.1f} calls  {e.key[:90]}"
+              + (f"  {e.input_shapes}" if args.shapes else ""))
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from dflow_rt.graphs.plan import RoundPlan
 from dflow_rt.graphs.runner import build_rounds
 from dflow_rt.graphs.state import DecodeState
 from dflow_rt.limits import check_config, check_memory, rotary_growth
+from dflow_rt.models import exact_codes
 from dflow_rt.requests import check_fits, check_int, check_sampling, cut_at_stop, prompt_tensor, stop_set
 from dflow_rt.sampling import sample, screen
 from dflow_rt.tuned import resolve
@@ -70,6 +71,10 @@ class Runtime:
         self.plan = plan = RoundPlan.of(c, target, drafter)
         check_memory(c, target, drafter, plan.block_size)
         huge_pages.place(target, drafter)  # CPU weights streamed each step: fewer page walks
+        self.exact_codes = exact_codes.attach(target, drafter)  # fewer bytes a step, same values
+        if self.exact_codes and self.exact_codes["coded"]:
+            log.info("weights in exact codes: %.0f MB of float32 streamed as %.0f MB",
+                     self.exact_codes["float32"] / 1e6, self.exact_codes["coded"] / 1e6)
         before = self.prepare_attention if hasattr(plan.kernels.attention, "plan") else None  # FlashInfer
         self.rows: list[Request | None] = [None] * c.max_batch
         with rotary_growth(c.max_len, target, drafter):  # undone if construction fails

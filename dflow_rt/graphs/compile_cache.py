@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from dflow_rt.models import cpu_gemv
+from dflow_rt.models import cpu_gemv, exact_codes
 
 MAX_BYTES = int(os.environ.get("DFLOW_RT_COMPILE_CACHE_BYTES", 2 * 1024**3))
 GRAPH, META, INDUCTOR = ".graph", "entry.json", "inductor"
@@ -67,8 +67,10 @@ def _model_key(model) -> dict | None:
     w = next(model.parameters())
     config = asdict(model.config) if is_dataclass(model.config) else repr(model.config)
     vocab = getattr(model, "vocab_ids", None)
+    kinds = ",".join(exact_codes.kinds(model))  # a product over codes is another op in the graph
     return {"class": type(model).__name__, "config": config, "dtype": str(w.dtype),
-            "draft_vocab": None if vocab is None else len(vocab)}
+            "draft_vocab": None if vocab is None else len(vocab),
+            "exact_codes": hashlib.sha256(kinds.encode()).hexdigest()[:16]}
 
 
 def entry_key(target, drafter, settings: dict) -> tuple[str, dict]:

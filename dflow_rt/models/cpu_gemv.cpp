@@ -8,6 +8,7 @@
 // tree), independent of the row count and the thread split: a row's result is bit-identical in a
 // 1-row step and in a 4-row verify pass.
 #include <immintrin.h>
+#include <cstring>
 #include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -26,6 +27,14 @@ inline Vec vload(const float* p, int64_t n) {  // the first n (<= kLanes) floats
 }
 inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline float vsum(Vec v) { return _mm512_reduce_add_ps(v); }
+inline Vec vmul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+inline Vec vadd(Vec a, Vec b) { return _mm512_add_ps(a, b); }
+inline Vec vset(float a) { return _mm512_set1_ps(a); }
+// kLanes bytes at p, widened to one int32 lane each (unsigned or signed), as floats after `nibble`
+inline __m512i vbytes(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline __m512i vbytes(const int8_t* p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline Vec vfloat(__m512i v) { return _mm512_cvtepi32_ps(v); }
+inline __m512i vnibble(__m512i v, bool high) { return high ? _mm512_srli_epi32(v, 4) : _mm512_and_si512(v, _mm512_set1_epi32(15)); }
 #elif defined(__AVX2__) && defined(__FMA__)
 using Vec = __m256;
 constexpr int64_t kLanes = 8;
@@ -41,6 +50,13 @@ inline float vsum(Vec v) {  // halves, then pairs, then the last two: one fixed 
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
 }
+inline Vec vmul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
+inline Vec vadd(Vec a, Vec b) { return _mm256_add_ps(a, b); }
+inline Vec vset(float a) { return _mm256_set1_ps(a); }
+inline __m256i vbytes(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+inline __m256i vbytes(const int8_t* p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+inline Vec vfloat(__m256i v) { return _mm256_cvtepi32_ps(v); }
+inline __m256i vnibble(__m256i v, bool high) { return high ? _mm256_srli_epi32(v, 4) : _mm256_and_si256(v, _mm256_set1_epi32(15)); }
 #else
 #error "cpu_gemv.cpp needs AVX-512 or AVX2 with FMA (cpu_gemv.py builds it only there)"
 #endif
@@ -113,9 +129,146 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w) {
   return y;
 }
 
+// Weights kept exactly in fewer bytes (dflow_rt/models/exact_codes.py). Per block of 32 along a row of
+// w, each weight is d * q + m (U4: q in 0..15, a nibble; scales d, m) or d * q (I8: q in -128..127; scale
+// d), rebuilt here as the very float32 it stands for (a multiply, then an add: the library is built with
+// -ffp-contract=off) and then summed exactly as `product` sums it: results are bit-identical.
+//
+// Rows of w are stored in groups of kGroup, a group's blocks one after another, each block as a record:
+// the kGroup rows' scales (float32), then their codes. A tile of kGroup rows of w reads one sequential
+// stream, which is what the hardware prefetcher follows best (bench/exact_codes.py).
+constexpr int64_t kBlock = 32, kGroup = 4;
+
+struct U4 {  // byte j of a row's codes: element j in its low nibble, element j + 16 in its high one
+  static constexpr int64_t kScales = 2, kBytes = kBlock / 2, kRecord = kGroup * (kScales * 4 + kBytes);
+#if defined(__AVX512F__)
+  struct Block {  // the block's 16 values d * q + m, one per lane, and its codes widened to a byte a lane
+    Vec table;
+    __m512i q;
+  };
+  static Block load(const float* s, const uint8_t* codes) {
+    const Vec levels = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    return {vadd(vmul(vset(s[0]), levels), vset(s[1])), vbytes(codes)};
+  }
+  static Vec values(const Block& b, int64_t first) {  // elements [first, first + 16): a lookup by nibble
+    return _mm512_permutexvar_ps(first ? _mm512_srli_epi32(b.q, 4) : b.q, b.table);
+  }
+#else
+  struct Block {
+    Vec d, m;
+    const uint8_t* codes;
+  };
+  static Block load(const float* s, const uint8_t* codes) { return {vset(s[0]), vset(s[1]), codes}; }
+  static Vec values(const Block& b, int64_t first) {
+    return vadd(vmul(b.d, vfloat(vnibble(vbytes(b.codes + first % 16), first >= 16))), b.m);
+  }
+#endif
+};
+
+struct I8 {
+  static constexpr int64_t kScales = 1, kBytes = kBlock, kRecord = kGroup * (kScales * 4 + kBytes);
+  struct Block {
+    Vec d;
+    const int8_t* q;
+  };
+  static Block load(const float* s, const uint8_t* codes) { return {vset(s[0]), reinterpret_cast<const int8_t*>(codes)}; }
+  static Vec values(const Block& b, int64_t first) { return vmul(b.d, vfloat(vbytes(b.q + first))); }
+};
+
+// Row j of the group whose block record starts at `record`.
+template <class C>
+inline typename C::Block load(const uint8_t* record, int j) {
+  return C::load(reinterpret_cast<const float*>(record) + j * C::kScales, record + kGroup * C::kScales * 4 + j * C::kBytes);
+}
+
+// `tile` over a group of coded rows of w (rows [n0, n0 + kGroup)): each vector of w decoded once for the
+// RX rows of x.
+template <class C, int RX>
+inline void coded_tile(const float* x, const uint8_t* group, float* y, int64_t K, int64_t N, int64_t m0, int64_t n0) {
+  Vec acc[RX][kGroup];
+  for (int i = 0; i < RX; ++i)
+    for (int j = 0; j < kGroup; ++j) acc[i][j] = vzero();
+  for (int64_t b = 0; b < K / kBlock; ++b) {
+    typename C::Block wb[kGroup];
+    for (int j = 0; j < kGroup; ++j) wb[j] = load<C>(group + b * C::kRecord, j);
+    for (int64_t first = 0; first < kBlock; first += kLanes) {
+      Vec wv[kGroup];
+      for (int j = 0; j < kGroup; ++j) wv[j] = C::values(wb[j], first);
+      for (int i = 0; i < RX; ++i) {
+        const Vec xv = vload(x + (m0 + i) * K + b * kBlock + first, kLanes);
+        for (int j = 0; j < kGroup; ++j) acc[i][j] = vfma(xv, wv[j], acc[i][j]);
+      }
+    }
+  }
+  for (int i = 0; i < RX; ++i)
+    for (int j = 0; j < kGroup; ++j) y[(m0 + i) * N + n0 + j] = vsum(acc[i][j]);
+}
+
+template <class C, int RX>
+void coded_product(const float* x, const uint8_t* codes, float* y, int64_t M, int64_t K, int64_t N) {
+  const int64_t group_bytes = K / kBlock * C::kRecord;
+  at::parallel_for(0, N / kGroup, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      int64_t m = 0;
+      for (; m + RX <= M; m += RX) coded_tile<C, RX>(x, codes + g * group_bytes, y, K, N, m, g * kGroup);
+      for (; m < M; ++m) coded_tile<C, 1>(x, codes + g * group_bytes, y, K, N, m, g * kGroup);
+    }
+  });
+}
+
+template <class C>
+int64_t check_codes(const at::Tensor& codes) {  // K, from the codes' shape
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous(),
+              "codes: uint8 [rows / ", kGroup, ", blocks * ", C::kRecord, "]");
+  TORCH_CHECK(codes.size(1) % C::kRecord == 0, "codes: whole blocks per group of rows");
+  return codes.size(1) / C::kRecord * kBlock;
+}
+
+// y = x @ w.T with w given by its codes.
+template <class C>
+at::Tensor coded_gemv(const at::Tensor& x, const at::Tensor& codes) {
+  const int64_t K = check_codes<C>(codes);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: float32 [M, K]");
+  const int64_t M = x.size(0), N = codes.size(0) * kGroup;
+  at::Tensor y = at::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  constexpr int wide = kLanes == 16 ? 2 : 1;  // AVX-512's 32 vector registers hold taller tiles
+  if (M == 1) coded_product<C, 1>(xp, cp, yp, M, K, N);
+  else if (M < 4) coded_product<C, 2>(xp, cp, yp, M, K, N);
+  else coded_product<C, 2 * wide>(xp, cp, yp, M, K, N);
+  return y;
+}
+
+// w itself, as float32 [N, K]: what the codes stand for, rebuilt exactly as the products rebuild it.
+template <class C>
+at::Tensor decode(const at::Tensor& codes) {
+  const int64_t K = check_codes<C>(codes), blocks = K / kBlock;
+  at::Tensor w = at::empty({codes.size(0) * kGroup, K}, codes.options().dtype(at::kFloat));
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  float* wp = w.data_ptr<float>();
+  at::parallel_for(0, codes.size(0), 4, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g)
+      for (int64_t b = 0; b < blocks; ++b)
+        for (int j = 0; j < kGroup; ++j) {
+          const typename C::Block block = load<C>(cp + (g * blocks + b) * C::kRecord, j);
+          for (int64_t first = 0; first < kBlock; first += kLanes) {
+            const Vec v = C::values(block, first);
+            std::memcpy(wp + (g * kGroup + j) * K + b * kBlock + first, &v, sizeof(v));
+          }
+        }
+  });
+  return w;
+}
+
 }  // namespace
 
 // The schema is defined on the Python side (dflow_rt/models/cpu_gemv.py), with its shape function.
 TORCH_LIBRARY_IMPL(dflow_rt, CPU, m) {
   m.impl("gemv", &gemv);
+  m.impl("gemv_u4", &coded_gemv<U4>);
+  m.impl("gemv_i8", &coded_gemv<I8>);
+  m.impl("decode_u4", &decode<U4>);
+  m.impl("decode_i8", &decode<I8>);
 }

@@ -17,6 +17,7 @@ import logging
 import os
 import shutil
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +27,10 @@ log = logging.getLogger("dflow_rt")
 SOURCE = Path(__file__).with_name("cpu_gemv.cpp")
 KEEP_BUILDS = 3  # kernel builds kept under the cache directory, this one included
 MAX_ROWS = 16  # a decode or verify pass (a batch of 4 at verify width 4); prefill stays with the library
+FLAGS = ("-O3", "-ffp-contract=off")  # no multiply-add fused behind our back: exact codes rebuild weights exactly
 ISAS = ("AVX512", "AVX2")  # torch's names for the instruction sets the kernel has a tile for
+CODE_KINDS = ("u4", "i8")
+CODE_GROUP = 4  # rows of a weight stored together in its codes (`kGroup` in cpu_gemv.cpp)
 _ready: bool | None = None  # None: not tried yet in this process
 
 
@@ -46,7 +50,8 @@ def _load() -> bool:
         return False
     from dflow_rt.models.fetch import cache_root
 
-    source = SOURCE.read_bytes()  # the ISA is in the key: a cache shared by two machines keeps a build each
+    # the flags and the ISA are in the key: a cache shared by two machines keeps a build each
+    source = SOURCE.read_bytes() + " ".join(FLAGS).encode()
     digest = hashlib.sha256(source + torch.__version__.encode() + isa.encode()).hexdigest()[:16]
     out = cache_root() / "kernels" / f"cpu_gemv_{digest}"
     library = out / "cpu_gemv.so"
@@ -67,7 +72,7 @@ def _build(out: Path, library: Path) -> None:
 
     tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
     tmp.mkdir(parents=True, exist_ok=True)
-    options = CppTorchOptions(vec_isa=pick_vec_isa(), include_pytorch=True, shared=True, extra_flags=("-O3",))
+    options = CppTorchOptions(vec_isa=pick_vec_isa(), include_pytorch=True, shared=True, extra_flags=FLAGS)
     builder = CppBuilder(name="cpu_gemv", sources=[str(SOURCE)], BuildOption=options, output_dir=str(tmp))
     builder.build()
     out.mkdir(parents=True, exist_ok=True)
@@ -86,6 +91,11 @@ def _prune(current: Path, keep: int = KEEP_BUILDS) -> None:
 
 _library = torch.library.Library("dflow_rt", "DEF")  # the schema; cpu_gemv.cpp registers its CPU implementation
 _library.define("gemv(Tensor x, Tensor w) -> Tensor")
+for _kind in CODE_KINDS:  # products over, and values of, weights in exact codes (`dflow_rt.models.exact_codes`)
+    _library.define(f"gemv_{_kind}(Tensor x, Tensor codes) -> Tensor")
+    _library.define(f"decode_{_kind}(Tensor codes) -> Tensor")
+    torch.library.register_fake(f"dflow_rt::gemv_{_kind}",
+                                lambda x, codes: x.new_empty(x.shape[0], codes.shape[0] * CODE_GROUP))
 
 
 @torch.library.register_fake("dflow_rt::gemv")
@@ -93,19 +103,36 @@ def _(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return x.new_empty(x.shape[0], w.shape[0])
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)`, through the kernel where it serves (see the module docstring)."""
+class Codes(NamedTuple):
+    """A weight in exact codes (`dflow_rt.models.exact_codes`): the products rebuild its float32 values."""
+    kind: str  # one of CODE_KINDS
+    codes: torch.Tensor  # uint8 [N / CODE_GROUP, bytes]: each block's scales and codes (cpu_gemv.cpp)
+    version: int  # the weight's `_version` when it was coded: a weight changed since is no longer served
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           codes: Codes | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)`, through the kernel where it serves (see the module docstring),
+    streaming `codes` instead of `weight` where the weight has them and has not changed since."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if (0 < rows <= MAX_ROWS and x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)) and enabled()):
-        y = torch.ops.dflow_rt.gemv(x.reshape(rows, x.shape[-1]).contiguous(), weight.contiguous())
+        flat = x.reshape(rows, x.shape[-1]).contiguous()
+        if codes is not None and (torch.compiler.is_compiling() or codes.version == weight._version):
+            op = torch.ops.dflow_rt.gemv_u4 if codes.kind == "u4" else torch.ops.dflow_rt.gemv_i8
+            y = op(flat, codes.codes)
+        else:
+            y = torch.ops.dflow_rt.gemv(flat, weight.contiguous())
         y = y.reshape(*x.shape[:-1], weight.shape[0])
         return y if bias is None else y + bias
     return F.linear(x, weight, bias)
 
 
 class Linear(nn.Linear):
-    """`nn.Linear` (same parameters and state dict) whose products go through `linear`."""
+    """`nn.Linear` (same parameters and state dict) whose products go through `linear`, from the
+    weight's exact codes once `exact_codes.attach` gave it some."""
+
+    codes: Codes | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.codes)

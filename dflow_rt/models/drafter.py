@@ -75,6 +75,7 @@ class Drafter(nn.Module):
         # draft vocabulary (`restrict_vocab`): token ids and the target head's rows for them
         self.register_buffer("vocab_ids", None, persistent=False)
         self.register_buffer("vocab_head", None, persistent=False)
+        self.vocab_codes = None  # the head's exact codes, once `exact_codes.attach` finds them
 
     @property
     def block_size(self) -> int:
@@ -95,17 +96,18 @@ class Drafter(nn.Module):
         dtype: over the draft vocabulary when the drafter has one (column j is token `vocab_ids[j]`)."""
         if self.vocab_head is None:
             return target.lm_head(hidden.to(target.lm_head.weight.dtype))
-        return linear(hidden.to(self.vocab_head.dtype), self.vocab_head)
+        return linear(hidden.to(self.vocab_head.dtype), self.vocab_head, codes=self.vocab_codes)
 
     def restrict_vocab(self, target: nn.Module, ids: torch.Tensor | None) -> None:
         """Draft only tokens `ids` (None: the whole vocabulary again); see `dflow_rt.models.draft_vocab`.
         The head rows are copied once here, so a draft pass reads only them."""
         if ids is None:
-            self.vocab_ids = self.vocab_head = None
+            self.vocab_ids = self.vocab_head = self.vocab_codes = None
             return
         weight = target.lm_head.weight
         self.vocab_ids = ids.to(weight.device)
         self.vocab_head = weight.detach()[self.vocab_ids].contiguous()
+        self.vocab_codes = None
 
     def token_ids(self, columns: torch.Tensor) -> torch.Tensor:
         """Token ids of `logits` columns."""

@@ -1,0 +1,164 @@
+"""Float32 weights streamed in fewer bytes, exactly: codes that rebuild every value bit for bit.
+
+A batch-1 step on CPU is a read of the weights, so its time is their bytes. Weights that came out
+of a quantised file (SmolLM2 is published as a Q4_1 GGUF with a Q8_0 head; `fetch-model` stores it
+dequantised to float32) hold far less than 32 bits each: per block of 32 along a row, every value is
+d * q + m with q in 0..15 (kind "u4", 0.75 bytes a weight with its two float32 scales) or d * q with
+q in -128..127 ("i8", 1.125 bytes). `encode` finds such codes when a weight has them and keeps them
+only when the kernel's own decoder (`cpu_gemv.cpp`) gives back every float32 of the weight bit for
+bit; the kernel then streams the codes, rebuilds each value and sums exactly as it sums the float32
+weight. Results, and so tokens, are identical; only the bytes read change. A weight without codes
+(a trained drafter, any bf16 checkpoint) stays float32. `DFLOW_RT_EXACT_CODES=0` turns this off.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+from torch import nn
+
+from dflow_rt.models import cpu_gemv
+from dflow_rt.models.cpu_gemv import Codes
+
+log = logging.getLogger("dflow_rt")
+BLOCK = 32  # values per block along a row (the GGUF formats' block)
+GROUP = cpu_gemv.CODE_GROUP  # rows stored together; a weight's rows must be a multiple
+LEVELS = {"u4": (0, 15), "i8": (-128, 127)}  # the range of q per kind
+PROBE_ROWS = 64  # a weight is first tried on its first rows: float32 noise fails there, cheaply
+
+
+def enabled() -> bool:
+    """Whether Runtimes code their weights in this process (CPU product kernel built, not opted out)."""
+    return os.environ.get("DFLOW_RT_EXACT_CODES", "1") != "0" and cpu_gemv.enabled()
+
+
+def _scale_candidates(estimate: torch.Tensor) -> list[torch.Tensor]:
+    """Scales to try per block: the float16 nearest to the estimate (the GGUF formats store float16
+    scales), its neighbours, then the float32 estimate itself."""
+    half = estimate.half()
+    bits = half.view(torch.int16)
+    near = [(bits + step).view(torch.float16).float() for step in (1, -1, 2, -2)]
+    return [half.float(), *near, estimate]
+
+
+def _fit(blocks: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(q, d, m) for `blocks` [R, B, BLOCK] with d * q + m == blocks exactly in float32, or None."""
+    lo, hi = LEVELS[kind]
+    if kind == "u4":
+        m = blocks.amin(-1, keepdim=True)
+        estimate = (blocks.amax(-1, keepdim=True) - m) / hi
+    else:
+        m = torch.zeros_like(blocks[..., :1])
+        estimate = blocks.abs().amax(-1, keepdim=True) / hi
+    q = torch.zeros_like(blocks, dtype=torch.int16)
+    d = torch.zeros_like(m)
+    todo = torch.ones(m.shape, dtype=torch.bool)
+    for cand in _scale_candidates(estimate):
+        safe = torch.where(cand > 0, cand, torch.ones_like(cand))
+        qc = torch.where(cand > 0, ((blocks - m) / safe).round(), torch.zeros_like(blocks)).clamp(lo, hi)
+        exact = (cand * qc + m == blocks).all(-1, keepdim=True) & todo
+        q = torch.where(exact, qc.to(torch.int16), q)
+        d = torch.where(exact, cand, d)
+        todo &= ~exact
+        if not todo.any():
+            return q, d, m
+    return None
+
+
+def _pack(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, kind: str, version: int) -> Codes:
+    """The kernel's layout: rows in groups of GROUP, each group's blocks in order, a block's record
+    the group's scales (float32) then its codes."""
+    rows, blocks = q.shape[:2]
+    if kind == "u4":  # byte j: element j in the low nibble, element j + 16 in the high one
+        q = q.to(torch.uint8)
+        codes, scales = q[..., :BLOCK // 2] | (q[..., BLOCK // 2:] << 4), torch.cat([d, m], -1)
+    else:
+        codes, scales = q.to(torch.int8).view(torch.uint8), d
+
+    def grouped(t: torch.Tensor) -> torch.Tensor:  # [rows, blocks, n] -> [groups, blocks, GROUP * n]
+        return t.reshape(rows // GROUP, GROUP, blocks, -1).transpose(1, 2).reshape(rows // GROUP, blocks, -1)
+
+    record = torch.cat([grouped(scales.float().contiguous().view(torch.uint8)), grouped(codes)], -1)
+    return Codes(kind, record.reshape(rows // GROUP, -1).contiguous(), version)
+
+
+def decode(codes: Codes) -> torch.Tensor:
+    """The float32 weight `codes` stand for, rebuilt by the kernel exactly as its products rebuild it."""
+    op = torch.ops.dflow_rt.decode_u4 if codes.kind == "u4" else torch.ops.dflow_rt.decode_i8
+    return op(codes.codes)
+
+
+@torch.no_grad()
+def encode(weight: torch.Tensor) -> Codes | None:
+    """Exact codes of a float32 CPU weight [N, K] (N a multiple of GROUP, K of BLOCK), or None when it
+    has none."""
+    if (weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2 or weight.numel() == 0
+            or weight.shape[1] % BLOCK or weight.shape[0] % GROUP or not cpu_gemv.enabled()):
+        return None
+    w = weight.detach().contiguous()
+    blocks = w.reshape(w.shape[0], -1, BLOCK)
+    for kind in LEVELS:
+        if _fit(blocks[:PROBE_ROWS], kind) is None:
+            continue
+        fit = _fit(blocks, kind)
+        if fit is None:
+            continue
+        codes = _pack(*fit, kind, weight._version)
+        if torch.equal(decode(codes).view(torch.int32), w.view(torch.int32)):  # bit for bit, -0.0 included
+            return codes
+    return None
+
+
+def attach(*models: nn.Module | None) -> dict[str, int] | None:
+    """Give every float32 product of `models` (`cpu_gemv.Linear` layers, a drafter's draft-vocabulary
+    head) its exact codes where it has some, once per weight (a tied head is coded once), and drop
+    codes a changed weight no longer matches. Returns bytes a step streams: {"coded": as coded,
+    "float32": the same weights as float32, "plain": weights left float32}; None when codes are
+    off here (`enabled`), after dropping any the models had."""
+    if not enabled():
+        for model in models:
+            for module in model.modules() if model is not None else ():
+                if isinstance(module, cpu_gemv.Linear):
+                    module.codes = None
+            if getattr(model, "vocab_codes", None) is not None:
+                model.vocab_codes = None
+        return None
+    seen: dict[int, Codes | None] = {}
+    sizes = {"coded": 0, "float32": 0, "plain": 0}
+
+    def coded(weight: torch.Tensor, old: Codes | None) -> Codes | None:
+        key = weight.data_ptr()
+        if key not in seen:
+            seen[key] = old if old is not None and old.version == weight._version else encode(weight)
+            c = seen[key]
+            if c is None:
+                sizes["plain"] += weight.numel() * weight.element_size()
+            else:
+                sizes["coded"] += c.codes.numel()
+                sizes["float32"] += weight.numel() * 4
+        return seen[key]
+
+    for model in models:
+        if model is None:
+            continue
+        for module in model.modules():
+            if isinstance(module, cpu_gemv.Linear):
+                module.codes = coded(module.weight, module.codes)
+        if getattr(model, "vocab_head", None) is not None:
+            model.vocab_codes = coded(model.vocab_head, getattr(model, "vocab_codes", None))
+    return sizes
+
+
+def kinds(model: nn.Module | None) -> list[str]:
+    """The kind of each product of `model` in module order ("float32" where uncoded): what compiled
+    graphs depend on (`graphs.compile_cache`)."""
+    if model is None:
+        return []
+    layers = [m for m in model.modules() if isinstance(m, cpu_gemv.Linear)]
+    out = [m.codes.kind if m.codes is not None else "float32" for m in layers]
+    if getattr(model, "vocab_head", None) is not None:
+        codes = getattr(model, "vocab_codes", None)
+        out.append(codes.kind if codes is not None else "float32")
+    return out

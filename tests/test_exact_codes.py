@@ -1,0 +1,149 @@
+"""Exact codes: found only where they rebuild a weight bit for bit, products over them bit-identical
+to the float32 kernel's, stale codes never served, and a Runtime over a coded target lossless."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import dflow_rt
+from dflow_rt.models import cpu_gemv, exact_codes
+from tests.helpers import hf_greedy, ours_from_hf, tiny_drafter, tiny_hf_target
+
+pytestmark = pytest.mark.skipif(not cpu_gemv.enabled(), reason="needs an AVX-512 or AVX2 CPU and a compiler")
+
+
+def dequantised(w: torch.Tensor, kind: str) -> torch.Tensor:
+    """`w` as a GGUF file dequantises it: per block of 32, float16 scales, integer q, d * q (+ m) in float32."""
+    blocks = w.reshape(w.shape[0], -1, 32)
+    if kind == "u4":  # Q4_1
+        m = blocks.amin(-1, keepdim=True)
+        d = ((blocks.amax(-1, keepdim=True) - m) / 15).half().float()
+        q = ((blocks - m) / torch.where(d > 0, d, 1)).round().clamp(0, 15).int().float()
+        out = d * q + m.half().float()
+    else:  # Q8_0
+        d = (blocks.abs().amax(-1, keepdim=True) / 127).half().float()
+        out = d * (blocks / torch.where(d > 0, d, 1)).round().clamp(-127, 127).int().float()  # no -0.0
+    return out.reshape(w.shape).contiguous()
+
+
+@settings(max_examples=25, deadline=None)
+@given(groups=st.integers(1, 12), blocks=st.integers(1, 6), rows=st.integers(1, cpu_gemv.MAX_ROWS),
+       kind=st.sampled_from(["u4", "i8"]), seed=st.integers(0, 999))
+def test_coded_products_are_bit_identical_to_the_float32_kernel(groups, blocks, rows, kind, seed):
+    g = torch.Generator().manual_seed(seed)
+    w = dequantised(torch.randn(groups * exact_codes.GROUP, blocks * exact_codes.BLOCK, generator=g), kind)
+    codes = exact_codes.encode(w)
+    assert codes is not None and codes.kind == kind
+    assert torch.equal(exact_codes.decode(codes).view(torch.int32), w.view(torch.int32))
+    assert codes.codes.numel() < w.numel() * w.element_size() / 3  # 0.75 or 1.125 bytes a weight, not 4
+    x = torch.randn(rows, w.shape[1], generator=g)
+    got = cpu_gemv.linear(x, w, codes=codes)
+    assert torch.equal(got, torch.ops.dflow_rt.gemv(x, w))
+    torch.testing.assert_close(got, x @ w.T, rtol=1e-5, atol=1e-5 * w.shape[1] ** 0.5)
+
+
+def test_weights_without_exact_codes_stay_float32():
+    g = torch.Generator().manual_seed(0)
+    coded = dequantised(torch.randn(8, 64, generator=g), "u4")
+    assert exact_codes.encode(torch.randn(8, 64, generator=g)) is None  # float32 noise
+    assert exact_codes.encode(coded[:, :48].contiguous()) is None  # a row not whole blocks
+    assert exact_codes.encode(coded[:6]) is None  # rows not whole groups
+    assert exact_codes.encode(coded.bfloat16()) is None
+    nearly = coded.clone()
+    nearly[5, 40] = torch.nextafter(nearly[5, 40], torch.tensor(1.0))  # one value off by an ulp
+    assert exact_codes.encode(nearly) is None
+    signed = coded.clone()
+    signed[signed == signed.flatten()[0]] = -0.0  # values equal, bits not: -0.0 is not rebuilt
+    if (signed.view(torch.int32) != coded.view(torch.int32)).any():
+        assert exact_codes.encode(signed) is None
+
+
+def test_codes_are_what_is_streamed_and_stale_ones_are_not_served():
+    layer = cpu_gemv.Linear(64, 8, bias=True)
+    with torch.no_grad():
+        layer.weight.copy_(dequantised(torch.randn(8, 64), "u4"))
+    sizes = exact_codes.attach(layer)
+    assert layer.codes is not None and sizes["coded"] == layer.codes.codes.numel() and sizes["plain"] == 0
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        plain = torch.ops.dflow_rt.gemv(x, layer.weight) + layer.bias
+        assert torch.equal(layer(x), plain)
+        bytes_ = layer.codes.codes
+        bytes_[0, -1] ^= 0x11  # a code changed behind the weight's back: the product must change
+        assert not torch.equal(layer(x), plain)
+        bytes_[0, -1] ^= 0x11
+        layer.weight.add_(1.0)  # the weight changed: its codes are stale and not used
+        assert torch.equal(layer(x), torch.ops.dflow_rt.gemv(x, layer.weight) + layer.bias)
+    exact_codes.attach(layer)  # coded again where the new values have codes
+    assert exact_codes.kinds(layer) == ["u4" if layer.codes is not None else "float32"]
+
+
+def coded_pair(tied: bool):
+    hf = tiny_hf_target(3, vocab=32, hidden=64, tied=tied, family="llama")
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if p.dim() == 2:
+                p.copy_(dequantised(p, "i8" if "embed" in name or "lm_head" in name else "u4"))
+    target = ours_from_hf(hf)
+    return hf, target, tiny_drafter(target, 4, block_size=8)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_runtime_over_a_coded_target_decodes_exactly_what_plain_decoding_does(monkeypatch, tied):
+    hf, target, drafter = coded_pair(tied)
+    prompt = [3, 9, 4, 17, 2]
+    want = hf_greedy(hf, prompt, 24, suppress=drafter.config.mask_token_id)
+    outs = {}
+    for on in ("1", "0"):  # a Runtime with codes off drops the codes an earlier one attached
+        monkeypatch.setenv("DFLOW_RT_EXACT_CODES", on)
+        rt = dflow_rt.Runtime(target, drafter, dflow_rt.RuntimeConfig(max_batch=1, max_len=64, mode="eager",
+                                                                      verify_width=4))
+        if on == "1":  # every product of the target coded; the drafter's trained weights stay float32
+            assert set(exact_codes.kinds(target)) == {"u4", "i8"} and set(exact_codes.kinds(drafter)) == {"float32"}
+            assert 0 < rt.exact_codes["coded"] < rt.exact_codes["float32"] / 3
+        else:
+            assert rt.exact_codes is None and set(exact_codes.kinds(target)) == {"float32"}
+        outs[on] = rt.generate([prompt], max_new_tokens=24)[0]
+    assert outs["1"] == outs["0"] == want
+
+
+def test_compiled_rounds_stream_the_codes_and_decode_the_same_tokens(monkeypatch):
+    """Traced (aot_eager: dynamo's graph without inductor's slow build), the products over codes are
+    in the graph and the tokens are plain decoding's."""
+    monkeypatch.setenv("DFLOW_RT_EXACT_CODES", "1")
+    hf, target, drafter = coded_pair(tied=True)
+    prompt = [5, 1, 12, 7]
+    rt = dflow_rt.Runtime(target, drafter, dflow_rt.RuntimeConfig(
+        max_batch=1, max_len=64, mode="compile", compiler="aot_eager", verify_width=4, ar_fallback=False,
+        sampling=False))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        got = rt.generate([prompt], max_new_tokens=16)[0]
+    ops = {e.key for e in prof.key_averages()}
+    assert {"dflow_rt::gemv_u4", "dflow_rt::gemv_i8"} <= ops
+    assert got == hf_greedy(hf, prompt, 16, suppress=drafter.config.mask_token_id)
+
+
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512", reason="builds AVX2 code on an AVX-512 CPU")
+def test_the_avx2_build_rebuilds_and_sums_alike(tmp_path):
+    """The other instruction set's code (8 lanes, arithmetic decoding instead of a lookup), built as a
+    library of its own: exact values, and coded products bit-identical to its own float32 ones."""
+    from torch._inductor.cpp_builder import CppBuilder, CppTorchOptions
+    from torch._inductor.cpu_vec_isa import VecAVX2
+
+    src = cpu_gemv.SOURCE.read_text().replace("TORCH_LIBRARY_IMPL(dflow_rt, CPU, m)", "TORCH_LIBRARY(dflow_rt_avx2, m)")
+    (tmp_path / "avx2.cpp").write_text(src.replace("m.impl(", "m.def("))
+    options = CppTorchOptions(vec_isa=VecAVX2(), include_pytorch=True, shared=True, extra_flags=cpu_gemv.FLAGS)
+    builder = CppBuilder(name="avx2", sources=[str(tmp_path / "avx2.cpp")], BuildOption=options,
+                         output_dir=str(tmp_path))
+    builder.build()
+    torch.ops.load_library(builder.get_target_file_path())
+    ops = torch.ops.dflow_rt_avx2
+    g = torch.Generator().manual_seed(0)
+    for kind in ("u4", "i8"):
+        w = dequantised(torch.randn(20, 96, generator=g), kind)
+        codes = exact_codes.encode(w)
+        assert torch.equal(getattr(ops, f"decode_{kind}")(codes.codes).view(torch.int32), w.view(torch.int32))
+        for rows in (1, 3, 4, 9):
+            x = torch.randn(rows, 96, generator=g)
+            assert torch.equal(getattr(ops, f"gemv_{kind}")(x, codes.codes), ops.gemv(x, w))
