@@ -6,6 +6,10 @@ that is taken from the source distribution of the installed version (downloaded 
 the cache, or from `$DFLOW_RT_LLAMA_CPP`, a llama.cpp checkout) and run on the target's directory
 with `--outtype f32`, so the llama.cpp rows read the float32 weights our float32 rows read. The
 converter dispatches on `architectures` in config.json, which `dflow-rt fetch-model` writes.
+
+A second GGUF, quantised from that one by llama.cpp to Q4_1 with a Q8_0 embedding (the layout SmolLM2
+is published in), gives the row a CPU user of the published file gets: llama.cpp's own 4-bit kernels,
+which also round the activations, so its tokens can differ from float32 greedy decoding.
 """
 
 from __future__ import annotations
@@ -76,6 +80,27 @@ def gguf_file(model_dir: Path, version: str) -> Path:
                            "--outfile", str(tmp)], env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise InputError(f"llama.cpp's converter refused {model_dir}: {done.stderr.strip().splitlines()[-1:]}")
+    tmp.replace(out)
+    return out
+
+
+QUANTIZE = """import ctypes, sys, llama_cpp
+p = llama_cpp.llama_model_quantize_default_params()
+p.ftype, p.token_embedding_type, p.nthread = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_1, llama_cpp.GGML_TYPE_Q8_0, 2
+sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), ctypes.byref(p)))
+"""
+
+
+def q4_1_file(f32: Path) -> Path:
+    """`f32` quantised by llama.cpp to Q4_1 (embedding Q8_0), once, beside it (in a child process:
+    llama.cpp prints every tensor)."""
+    out = f32.with_name(f32.name.removesuffix("-f32.gguf") + "-q4_1.gguf")
+    if out.exists():
+        return out
+    tmp = out.with_name(out.name + ".tmp")
+    done = subprocess.run([sys.executable, "-c", QUANTIZE, str(f32), str(tmp)], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise InputError(f"llama.cpp could not quantise {f32.name}: {done.stderr.strip().splitlines()[-1:]}")
     tmp.replace(out)
     return out
 

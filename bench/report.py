@@ -17,7 +17,8 @@ def label(r: dict) -> str:
     """A row's name in tables and plots, e.g. 'dflash compile b4 bf16 k8'."""
     name = {"hf_generate": "transformers generate", "hf_prompt_lookup": "transformers prompt lookup",
             "reference": f"reference {r['drafter']}", "ar": "AR", "llama_cpp": "llama.cpp F32",
-            "llama_cpp_prompt_lookup": "llama.cpp prompt lookup F32"}.get(r["method"], r["method"])
+            "llama_cpp_prompt_lookup": "llama.cpp prompt lookup F32",
+            "llama_cpp_q4_1": "llama.cpp Q4_1"}.get(r["method"], r["method"])
     if r["method"].startswith(PEERS):
         return name
     dtype = {"float32": "fp32", "bfloat16": "bf16"}[r["dtype"]]
