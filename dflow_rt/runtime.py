@@ -72,6 +72,7 @@ class Runtime:
         check_memory(c, target, drafter, plan.block_size)
         huge_pages.place(target, drafter)  # CPU weights streamed each step: fewer page walks
         self.exact_codes = exact_codes.attach(target, drafter)  # fewer bytes a step, same values
+        self._coded = exact_codes.watch(target, drafter) if c.mode != "eager" else []  # eager checks each product
         if self.exact_codes and self.exact_codes["coded"]:
             log.info("weights in exact codes: %.0f MB of float32 streamed as %.0f MB",
                      self.exact_codes["float32"] / 1e6, self.exact_codes["coded"] / 1e6)
@@ -155,6 +156,10 @@ class Runtime:
         non-blocking lock: nobody waits, and nobody changes the rows under a running round).
         """
         with self._exclusive("step"), torch.inference_mode():
+            if self._coded and exact_codes.changed(self._coded):
+                raise InputError("a weight of the models changed after this Runtime was built: its compiled "
+                                 "rounds read the weights' exact codes from then (DFLOW_RT_EXACT_CODES); build "
+                                 "a new Runtime")
             return self._step()
 
     @contextmanager

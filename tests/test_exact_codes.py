@@ -110,7 +110,7 @@ def test_a_runtime_over_a_coded_target_decodes_exactly_what_plain_decoding_does(
 
 def test_compiled_rounds_stream_the_codes_and_decode_the_same_tokens(monkeypatch):
     """Traced (aot_eager: dynamo's graph without inductor's slow build), the products over codes are
-    in the graph and the tokens are plain decoding's."""
+    in the graph and the tokens are plain decoding's; a weight changed afterwards stops the Runtime."""
     monkeypatch.setenv("DFLOW_RT_EXACT_CODES", "1")
     hf, target, drafter = coded_pair(tied=True)
     prompt = [5, 1, 12, 7]
@@ -122,6 +122,10 @@ def test_compiled_rounds_stream_the_codes_and_decode_the_same_tokens(monkeypatch
     ops = {e.key for e in prof.key_averages()}
     assert {"dflow_rt::gemv_u4", "dflow_rt::gemv_i8"} <= ops
     assert got == hf_greedy(hf, prompt, 16, suppress=drafter.config.mask_token_id)
+    with torch.no_grad():  # a weight changed in place: the compiled rounds would read stale codes, so no step runs
+        target.model.layers[1].mlp.down_proj.weight.mul_(2)
+    with pytest.raises(dflow_rt.InputError, match="changed after this Runtime was built"):
+        rt.generate([prompt], max_new_tokens=4)
 
 
 @pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512", reason="builds AVX2 code on an AVX-512 CPU")

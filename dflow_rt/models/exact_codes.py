@@ -162,3 +162,18 @@ def kinds(model: nn.Module | None) -> list[str]:
         codes = getattr(model, "vocab_codes", None)
         out.append(codes.kind if codes is not None else "float32")
     return out
+
+
+def watch(*models: nn.Module | None) -> list[tuple[torch.Tensor, int]]:
+    """(weight, version) of every coded weight of `models`: compiled rounds read the codes without
+    looking at the weight, so a Runtime checks these before each step (`changed`)."""
+    out = [(m.weight, m.codes.version) for model in models if model is not None for m in model.modules()
+           if isinstance(m, cpu_gemv.Linear) and m.codes is not None]
+    return out + [(m.vocab_head, m.vocab_codes.version) for m in models
+                  if m is not None and getattr(m, "vocab_codes", None) is not None]
+
+
+def changed(watched: list[tuple[torch.Tensor, int]]) -> bool:
+    """Whether any weight of `watch`'s list changed in place since it was coded."""
+    return any(w._version != v for w, v in watched)
+
