@@ -15,7 +15,8 @@ import time
 
 import torch
 
-from dflow_rt.models import cpu_gemv, exact_codes
+from dflow_rt import exact_codes
+from dflow_rt.models import cpu_gemv
 from dflow_rt.models.bundled import load_models
 
 

@@ -88,7 +88,7 @@ def read_bandwidth(device: torch.device, megabytes: int = 512, repeats: int = 5)
 def bytes_per_token(target: torch.nn.Module) -> int:
     """Weight bytes one batch-1 decode step reads: every parameter once, except an untied input
     embedding (a step reads one row of it); a weight a Runtime gave exact codes is read as its codes
-    (`dflow_rt.models.exact_codes`)."""
+    (`dflow_rt.exact_codes`)."""
     embedding = target.embed_tokens.weight
     tied = embedding.data_ptr() == target.lm_head.weight.data_ptr()
     coded = {m.weight.data_ptr(): m.codes.codes.numel() for m in target.modules() if getattr(m, "codes", None)}

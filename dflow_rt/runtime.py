@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dflow_rt import huge_pages
+from dflow_rt import exact_codes, huge_pages
 from dflow_rt.config import RuntimeConfig
 from dflow_rt.errors import BusyError, InputError, RequestError
 from dflow_rt.fallback import ArFallback
@@ -30,7 +30,6 @@ from dflow_rt.graphs.plan import RoundPlan
 from dflow_rt.graphs.runner import build_rounds
 from dflow_rt.graphs.state import DecodeState
 from dflow_rt.limits import check_config, check_memory, rotary_growth
-from dflow_rt.models import exact_codes
 from dflow_rt.requests import check_fits, check_int, check_sampling, cut_at_stop, prompt_tensor, stop_set
 from dflow_rt.sampling import sample, screen
 from dflow_rt.tuned import resolve

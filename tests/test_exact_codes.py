@@ -7,7 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import dflow_rt
-from dflow_rt.models import cpu_gemv, exact_codes
+from dflow_rt import exact_codes
+from dflow_rt.models import cpu_gemv
 from tests.helpers import hf_greedy, ours_from_hf, tiny_drafter, tiny_hf_target
 
 pytestmark = pytest.mark.skipif(not cpu_gemv.enabled(), reason="needs an AVX-512 or AVX2 CPU and a compiler")

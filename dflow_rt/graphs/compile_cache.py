@@ -35,7 +35,8 @@ from pathlib import Path
 
 import torch
 
-from dflow_rt.models import cpu_gemv, exact_codes
+from dflow_rt import exact_codes
+from dflow_rt.models import cpu_gemv
 
 MAX_BYTES = int(os.environ.get("DFLOW_RT_COMPILE_CACHE_BYTES", 2 * 1024**3))
 GRAPH, META, INDUCTOR = ".graph", "entry.json", "inductor"

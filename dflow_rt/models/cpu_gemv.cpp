@@ -129,7 +129,7 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w) {
   return y;
 }
 
-// Weights kept exactly in fewer bytes (dflow_rt/models/exact_codes.py). Per block of 32 along a row of
+// Weights kept exactly in fewer bytes (dflow_rt/exact_codes.py). Per block of 32 along a row of
 // w, each weight is d * q + m (U4: q in 0..15, a nibble; scales d, m) or d * q (I8: q in -128..127; scale
 // d), rebuilt here as the very float32 it stands for (a multiply, then an add: the library is built with
 // -ffp-contract=off) and then summed exactly as `product` sums it: results are bit-identical.

@@ -91,7 +91,7 @@ def _prune(current: Path, keep: int = KEEP_BUILDS) -> None:
 
 _library = torch.library.Library("dflow_rt", "DEF")  # the schema; cpu_gemv.cpp registers its CPU implementation
 _library.define("gemv(Tensor x, Tensor w) -> Tensor")
-for _kind in CODE_KINDS:  # products over, and values of, weights in exact codes (`dflow_rt.models.exact_codes`)
+for _kind in CODE_KINDS:  # products over, and values of, weights in exact codes (`dflow_rt.exact_codes`)
     _library.define(f"gemv_{_kind}(Tensor x, Tensor codes) -> Tensor")
     _library.define(f"decode_{_kind}(Tensor codes) -> Tensor")
     torch.library.register_fake(f"dflow_rt::gemv_{_kind}",
@@ -104,7 +104,7 @@ def _(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 class Codes(NamedTuple):
-    """A weight in exact codes (`dflow_rt.models.exact_codes`): the products rebuild its float32 values."""
+    """A weight in exact codes (`dflow_rt.exact_codes`): the products rebuild its float32 values."""
     kind: str  # one of CODE_KINDS
     codes: torch.Tensor  # uint8 [N / CODE_GROUP, bytes]: each block's scales and codes (cpu_gemv.cpp)
     version: int  # the weight's `_version` when it was coded: a weight changed since is no longer served
