@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from dflow_rt import exact_codes
 from dflow_rt.bench.decoders import Run, Runner, hf_runner, reference_runner, runtime_runner
 from dflow_rt.bench.report import (
     best_width,
@@ -212,12 +213,19 @@ def bench_target(spec: str, args, device: torch.device, modes: list[str], dtypes
         counted = r["batch"] == 1 and r["method"] != "llama_cpp_q4_1"  # Q4_1 reads other bytes than the bound counts
         r["bound_share"] = r["tokens_per_s"] * r["batch"] / bound[r["dtype"]] if counted else None
     notes.append(f"{spec}: read bandwidth {gbps:.1f} GB/s at {torch.get_num_threads()} thread(s) (sums over 512 MB); "
-                 + ", ".join(f"{d} decode reads {weights[d] / 1e6:.0f} MB a token: bound {bound[d]:.1f} tokens/s at "
-                             f"batch 1" for d in dtypes))
+                 + ", ".join(f"{d} decode reads {weights[d] / 1e6:.0f} MB a token{coded(targets[d])}: bound "
+                             f"{bound[d]:.1f} tokens/s at batch 1" for d in dtypes))
     return rows, {
         "path": str(path), "prompt_tokens": [len(p) for p in prompts], "read_gbps": gbps,
         "bytes_per_token": weights, "bound_tokens_per_s": bound,
         "stop_token_ids": list(stops), "verify_width_sweep": widths, "seconds": seconds}
+
+
+def coded(target) -> str:
+    """How the note names a target whose products stream exact codes (`dflow_rt.exact_codes`)."""
+    kinds = exact_codes.kinds(target)
+    n = len(kinds) - kinds.count("float32")
+    return f" ({n} of {len(kinds)} weights as exact codes)" if n else ""
 
 
 def llama_cpp_methods(path: Path, args, stops: list[int], max_len: int, notes: list[str]) -> list[Method]:
