@@ -208,16 +208,18 @@ def bench_target(spec: str, args, device: torch.device, modes: list[str], dtypes
     seconds["decode"] = lap()
     gbps, weights = read_bandwidth(device), {d: bytes_per_token(t) for d, t in targets.items()}
     bound = {d: gbps * 1e9 / b for d, b in weights.items()}
+    plain = {d: gbps * 1e9 / bytes_per_token(t, codes=False) for d, t in targets.items()}  # the peers read float32
     rows = summarize(methods, spec)
     for r in rows:
-        counted = r["batch"] == 1 and r["method"] != "llama_cpp_q4_1"  # Q4_1 reads other bytes than the bound counts
-        r["bound_share"] = r["tokens_per_s"] * r["batch"] / bound[r["dtype"]] if counted else None
+        peer = r["method"].startswith(("hf_", "llama_cpp"))
+        counted = r["batch"] == 1 and r["method"] != "llama_cpp_q4_1"  # Q4_1 reads other bytes than either bound
+        r["bound_share"] = r["tokens_per_s"] * r["batch"] / (plain if peer else bound)[r["dtype"]] if counted else None
     notes.append(f"{spec}: read bandwidth {gbps:.1f} GB/s at {torch.get_num_threads()} thread(s) (sums over 512 MB); "
                  + ", ".join(f"{d} decode reads {weights[d] / 1e6:.0f} MB a token{coded(targets[d])}: bound "
                              f"{bound[d]:.1f} tokens/s at batch 1" for d in dtypes))
     return rows, {
         "path": str(path), "prompt_tokens": [len(p) for p in prompts], "read_gbps": gbps,
-        "bytes_per_token": weights, "bound_tokens_per_s": bound,
+        "bytes_per_token": weights, "bound_tokens_per_s": bound, "float32_bound_tokens_per_s": plain,
         "stop_token_ids": list(stops), "verify_width_sweep": widths, "seconds": seconds}
 
 

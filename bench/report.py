@@ -85,13 +85,14 @@ def read_bandwidth(device: torch.device, megabytes: int = 512, repeats: int = 5)
     return x.numel() * 4 / best / 1e9
 
 
-def bytes_per_token(target: torch.nn.Module) -> int:
+def bytes_per_token(target: torch.nn.Module, codes: bool = True) -> int:
     """Weight bytes one batch-1 decode step reads: every parameter once, except an untied input
-    embedding (a step reads one row of it); a weight a Runtime gave exact codes is read as its codes
-    (`dflow_rt.exact_codes`)."""
+    embedding (a step reads one row of it); with `codes`, a weight a Runtime gave exact codes is read
+    as its codes (`dflow_rt.exact_codes`), as our rounds read it."""
     embedding = target.embed_tokens.weight
     tied = embedding.data_ptr() == target.lm_head.weight.data_ptr()
-    coded = {m.weight.data_ptr(): m.codes.codes.numel() for m in target.modules() if getattr(m, "codes", None)}
+    layers = [m for m in target.modules() if codes and getattr(m, "codes", None) is not None]
+    coded = {m.weight.data_ptr(): m.codes.codes.numel() for m in layers}
     seen, total = set(), 0
     for p in target.parameters():
         if p.data_ptr() in seen or (p is embedding and not tied):
