@@ -122,6 +122,8 @@ def attach(*models: nn.Module | None) -> dict[str, int] | None:
             for module in model.modules() if model is not None else ():
                 if isinstance(module, cpu_gemv.Linear):
                     module.codes = None
+                if getattr(module, "parts", None):
+                    module.merged = None
             if getattr(model, "vocab_codes", None) is not None:
                 model.vocab_codes = None
         return None
@@ -148,7 +150,26 @@ def attach(*models: nn.Module | None) -> dict[str, int] | None:
                 module.codes = coded(module.weight, module.codes)
         if getattr(model, "vocab_head", None) is not None:
             model.vocab_codes = coded(model.vocab_head, getattr(model, "vocab_codes", None))
+        for module in model.modules():
+            if getattr(module, "parts", None):
+                _stack(module)
     return sizes
+
+
+def _stack(module: nn.Module) -> None:
+    """`module.merged`: the codes of its projections of one input (`module.parts`) stacked into one
+    product, when all have codes of one kind; each part's codes become a view of it (no second copy)."""
+    layers = [getattr(module, name) for name in module.parts]
+    codes = [m.codes for m in layers]
+    if any(c is None for c in codes) or len({c.kind for c in codes}) > 1 or len({c.codes.shape[1] for c in codes}) > 1:
+        module.merged = None
+        return
+    stacked = torch.cat([c.codes for c in codes])
+    module.merged = Codes(codes[0].kind, stacked, 0)  # served only while every part's own codes are current
+    at = 0
+    for m, c in zip(layers, codes, strict=True):
+        m.codes = c._replace(codes=stacked[at:at + len(c.codes)])
+        at += len(c.codes)
 
 
 def kinds(model: nn.Module | None) -> list[str]:
@@ -162,6 +183,14 @@ def kinds(model: nn.Module | None) -> list[str]:
         codes = getattr(model, "vocab_codes", None)
         out.append(codes.kind if codes is not None else "float32")
     return out
+
+
+def graph_key(model: nn.Module | None) -> str:
+    """What compiled rounds of `model` depend on here: each product's kind (`kinds`) and which
+    projections run as one stacked product."""
+    stacked = ["stacked" if m.merged is not None else "apart" for m in model.modules() if getattr(m, "parts", None)] \
+        if model is not None else []
+    return ",".join(kinds(model) + stacked)
 
 
 def watch(*models: nn.Module | None) -> list[tuple[torch.Tensor, int]]:

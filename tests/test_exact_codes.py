@@ -152,3 +152,24 @@ def test_the_avx2_build_rebuilds_and_sums_alike(tmp_path):
         for rows in (1, 3, 4, 9):
             x = torch.randn(rows, 96, generator=g)
             assert torch.equal(getattr(ops, f"gemv_{kind}")(x, codes.codes), ops.gemv(x, w))
+
+
+def test_projections_of_one_input_run_as_one_stacked_product():
+    """q/k/v (and gate/up) codes stacked: one product, bit-identical to three; each part's codes a
+    view of the stack; a stale part sends all back to their own products."""
+    _, target, _ = coded_pair(tied=True)
+    assert exact_codes.attach(target) is not None
+    attn = target.model.layers[0].self_attn
+    parts = (attn.q_proj, attn.k_proj, attn.v_proj)
+    assert attn.merged is not None and target.model.layers[0].mlp.merged is not None
+    stacked = attn.merged.codes
+    assert all(p.codes.codes.data_ptr() >= stacked.data_ptr() for p in parts)
+    assert sum(p.codes.codes.numel() for p in parts) == stacked.numel()
+    x = torch.randn(3, attn.q_proj.in_features)
+    with torch.no_grad():
+        want = [torch.ops.dflow_rt.gemv(x, p.weight) for p in parts]
+        got = cpu_gemv.linear_parts(x, parts, attn.merged)
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+        attn.k_proj.weight.add_(1.0)  # stale: every part through its own path, k through float32
+        got = cpu_gemv.linear_parts(x, parts, attn.merged)
+        assert torch.equal(got[1], torch.ops.dflow_rt.gemv(x, attn.k_proj.weight)) and torch.equal(got[0], want[0])

@@ -68,7 +68,7 @@ def _model_key(model) -> dict | None:
     w = next(model.parameters())
     config = asdict(model.config) if is_dataclass(model.config) else repr(model.config)
     vocab = getattr(model, "vocab_ids", None)
-    kinds = ",".join(exact_codes.kinds(model))  # a product over codes is another op in the graph
+    kinds = exact_codes.graph_key(model)  # a product over codes is another op in the graph
     return {"class": type(model).__name__, "config": config, "dtype": str(w.dtype),
             "draft_vocab": None if vocab is None else len(vocab),
             "exact_codes": hashlib.sha256(kinds.encode()).hexdigest()[:16]}

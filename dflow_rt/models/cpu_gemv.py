@@ -16,6 +16,7 @@ import hashlib
 import logging
 import os
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -110,22 +111,47 @@ class Codes(NamedTuple):
     version: int  # the weight's `_version` when it was coded: a weight changed since is no longer served
 
 
+def _served(x: torch.Tensor, weight: torch.Tensor) -> int:
+    """Rows of `x` when the kernel serves `F.linear(x, weight)` (see the module docstring), else 0."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if (0 < rows <= MAX_ROWS and x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)) and enabled()):
+        return rows
+    return 0
+
+
+def _current(codes: Codes | None, weight: torch.Tensor) -> bool:
+    """Whether `codes` stand for `weight` as it is (compiled rounds rely on the Runtime's check)."""
+    return codes is not None and (torch.compiler.is_compiling() or codes.version == weight._version)
+
+
+def _coded_product(x: torch.Tensor, codes: Codes) -> torch.Tensor:
+    op = torch.ops.dflow_rt.gemv_u4 if codes.kind == "u4" else torch.ops.dflow_rt.gemv_i8
+    return op(x, codes.codes)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            codes: Codes | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)`, through the kernel where it serves (see the module docstring),
     streaming `codes` instead of `weight` where the weight has them and has not changed since."""
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if (0 < rows <= MAX_ROWS and x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32
-            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)) and enabled()):
-        flat = x.reshape(rows, x.shape[-1]).contiguous()
-        if codes is not None and (torch.compiler.is_compiling() or codes.version == weight._version):
-            op = torch.ops.dflow_rt.gemv_u4 if codes.kind == "u4" else torch.ops.dflow_rt.gemv_i8
-            y = op(flat, codes.codes)
-        else:
-            y = torch.ops.dflow_rt.gemv(flat, weight.contiguous())
-        y = y.reshape(*x.shape[:-1], weight.shape[0])
-        return y if bias is None else y + bias
-    return F.linear(x, weight, bias)
+    rows = _served(x, weight)
+    if not rows:
+        return F.linear(x, weight, bias)
+    flat = x.reshape(rows, x.shape[-1]).contiguous()
+    y = _coded_product(flat, codes) if _current(codes, weight) else torch.ops.dflow_rt.gemv(flat, weight.contiguous())
+    y = y.reshape(*x.shape[:-1], weight.shape[0])
+    return y if bias is None else y + bias
+
+
+def linear_parts(x: torch.Tensor, layers: Sequence[Linear], merged: Codes | None) -> list[torch.Tensor]:
+    """`[layer(x) for layer in layers]` (projections of one input), as one product over `merged`, the
+    layers' codes stacked (`exact_codes.attach`), where their codes serve: a product has a fixed cost
+    (a call, a fork of threads), a tenth of a small one's time at one row."""
+    if merged is None or not _served(x, layers[0].weight) or not all(_current(m.codes, m.weight) for m in layers):
+        return [m(x) for m in layers]
+    y = _coded_product(x.reshape(-1, x.shape[-1]).contiguous(), merged).reshape(*x.shape[:-1], -1)
+    parts = y.split([m.weight.shape[0] for m in layers], -1)
+    return [p if m.bias is None else p + m.bias for p, m in zip(parts, layers, strict=True)]
 
 
 class Linear(nn.Linear):

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflow_rt.models.cpu_gemv import Linear
+from dflow_rt.models.cpu_gemv import Codes, Linear, linear_parts
 
 
 class RMSNorm(nn.Module):
@@ -105,6 +105,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class Attention(nn.Module):
     """Projections of one attention layer; how keys are gathered is the caller's business."""
 
+    parts = ("q_proj", "k_proj", "v_proj")  # projections of one input: one product once `merged` is set
+    merged: Codes | None = None  # their codes stacked (`dflow_rt.exact_codes.attach`)
+
     def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, eps: float,
                  qk_norm: bool, bias: bool):
         super().__init__()
@@ -116,17 +119,22 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(head_dim, eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, eps) if qk_norm else None
 
-    def query(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        q = self.q_proj(x).unflatten(-1, (self.heads, self.head_dim))
+    def query(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              q: torch.Tensor | None = None) -> torch.Tensor:
+        """Rotated queries of `x` (`q`: its projection, when the caller has it already)."""
+        q = (self.q_proj(x) if q is None else q).unflatten(-1, (self.heads, self.head_dim))
         if self.q_norm is not None:
             q = self.q_norm(q)
         return apply_rope(q.transpose(1, 2), cos, sin)
 
-    def key_value(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        k = self.k_proj(x).unflatten(-1, (self.kv_heads, self.head_dim))
+    def key_value(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  kv: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """Rotated keys and values of `x` (`kv`: its projections, when the caller has them already)."""
+        k, v = (self.k_proj(x), self.v_proj(x)) if kv is None else kv
+        k = k.unflatten(-1, (self.kv_heads, self.head_dim))
         if self.k_norm is not None:
             k = self.k_norm(k)
-        v = self.v_proj(x).unflatten(-1, (self.kv_heads, self.head_dim))
+        v = v.unflatten(-1, (self.kv_heads, self.head_dim))
         return apply_rope(k.transpose(1, 2), cos, sin), v.transpose(1, 2)
 
     def output(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
@@ -187,13 +195,17 @@ class CachedPass:
         The cache stays one tensor per layer that attention reads in place: no concatenation of
         old and new keys, whose copy grows with the context every round.
         """
-        k, v = attn.key_value(x, self.cos, self.sin)
+        q, k, v = linear_parts(x, (attn.q_proj, attn.k_proj, attn.v_proj), attn.merged)
+        k, v = attn.key_value(x, self.cos, self.sin, (k, v))
         self.cache.write(layer, self.rows, self.positions, k, v)
         k, v = self.cache.read(layer, self.rows)
-        return attn.output(attn.query(x, self.cos, self.sin), k, v, self.mask, extra, self.kernel)
+        return attn.output(attn.query(x, self.cos, self.sin, q), k, v, self.mask, extra, self.kernel)
 
 
 class MLP(nn.Module):
+    parts = ("gate_proj", "up_proj")  # see Attention.parts
+    merged: Codes | None = None
+
     def __init__(self, hidden: int, intermediate: int, bias: bool = False):
         super().__init__()
         self.gate_proj = Linear(hidden, intermediate, bias=bias)
@@ -201,7 +213,8 @@ class MLP(nn.Module):
         self.down_proj = Linear(intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = linear_parts(x, (self.gate_proj, self.up_proj), self.merged)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
