@@ -116,8 +116,11 @@ def attach(*models: nn.Module | None) -> dict[str, int] | None:
     head) its exact codes where it has some, once per weight (a tied head is coded once), and drop
     codes a changed weight no longer matches. Returns bytes a step streams: {"coded": as coded,
     "float32": the same weights as float32, "plain": weights left float32}; None when codes are
-    off here (`enabled`), after dropping any the models had."""
-    if not enabled():
+    off here (`enabled`) or nothing could have codes (no float32 CPU weight: the kernel is not
+    even built), after dropping any the models had."""
+    candidates = any(p.device.type == "cpu" and p.dtype == torch.float32
+                     for m in models if m is not None for p in m.parameters())
+    if not candidates or not enabled():
         for model in models:
             for module in model.modules() if model is not None else ():
                 if isinstance(module, cpu_gemv.Linear):
@@ -173,8 +176,7 @@ def _stack(module: nn.Module) -> None:
 
 
 def kinds(model: nn.Module | None) -> list[str]:
-    """The kind of each product of `model` in module order ("float32" where uncoded): what compiled
-    graphs depend on (`graphs.compile_cache`)."""
+    """The kind of each product of `model` in module order ("float32" where uncoded)."""
     if model is None:
         return []
     layers = [m for m in model.modules() if isinstance(m, cpu_gemv.Linear)]
@@ -205,4 +207,3 @@ def watch(*models: nn.Module | None) -> list[tuple[torch.Tensor, int]]:
 def changed(watched: list[tuple[torch.Tensor, int]]) -> bool:
     """Whether any weight of `watch`'s list changed in place since it was coded."""
     return any(w._version != v for w, v in watched)
-

@@ -51,6 +51,8 @@ def test_weights_without_exact_codes_stay_float32():
     assert exact_codes.encode(coded[:, :48].contiguous()) is None  # a row not whole blocks
     assert exact_codes.encode(coded[:6]) is None  # rows not whole groups
     assert exact_codes.encode(coded.bfloat16()) is None
+    half = cpu_gemv.Linear(64, 8).bfloat16()
+    assert exact_codes.attach(half) is None and half.codes is None  # no float32 CPU weight: nothing tried
     nearly = coded.clone()
     nearly[5, 40] = torch.nextafter(nearly[5, 40], torch.tensor(1.0))  # one value off by an ulp
     assert exact_codes.encode(nearly) is None
