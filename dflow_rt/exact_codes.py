@@ -13,7 +13,6 @@ weight. Results, and so tokens, are identical; only the bytes read change. A wei
 
 from __future__ import annotations
 
-import logging
 import os
 
 import torch
@@ -22,7 +21,6 @@ from torch import nn
 from dflow_rt.models import cpu_gemv
 from dflow_rt.models.cpu_gemv import Codes
 
-log = logging.getLogger("dflow_rt")
 BLOCK = 32  # values per block along a row (the GGUF formats' block)
 GROUP = cpu_gemv.CODE_GROUP  # rows stored together; a weight's rows must be a multiple
 LEVELS = {"u4": (0, 15), "i8": (-128, 127)}  # the range of q per kind

@@ -56,10 +56,12 @@ def test_weights_without_exact_codes_stay_float32():
     nearly = coded.clone()
     nearly[5, 40] = torch.nextafter(nearly[5, 40], torch.tensor(1.0))  # one value off by an ulp
     assert exact_codes.encode(nearly) is None
-    signed = coded.clone()
-    signed[signed == signed.flatten()[0]] = -0.0  # values equal, bits not: -0.0 is not rebuilt
-    if (signed.view(torch.int32) != coded.view(torch.int32)).any():
-        assert exact_codes.encode(signed) is None
+    source = torch.randn(8, 64, generator=g)
+    source[2, 5] = 0.0  # q = 0: the dequantised value is +0.0
+    zeros = dequantised(source, "i8")
+    assert exact_codes.encode(zeros) is not None and zeros[2, 5].item() == 0.0
+    zeros[2, 5] = -0.0  # equal values, other bits: the codes rebuild +0.0, so the weight stays float32
+    assert exact_codes.encode(zeros) is None
 
 
 def test_codes_are_what_is_streamed_and_stale_ones_are_not_served():
@@ -78,8 +80,11 @@ def test_codes_are_what_is_streamed_and_stale_ones_are_not_served():
         bytes_[0, -1] ^= 0x11
         layer.weight.add_(1.0)  # the weight changed: its codes are stale and not used
         assert torch.equal(layer(x), torch.ops.dflow_rt.gemv(x, layer.weight) + layer.bias)
-    exact_codes.attach(layer)  # coded again where the new values have codes
-    assert exact_codes.kinds(layer) == ["u4" if layer.codes is not None else "float32"]
+        layer.weight.copy_(dequantised(torch.randn(8, 64), "i8"))  # new values that have codes
+    exact_codes.attach(layer)  # stale codes dropped, the new values coded
+    assert layer.codes is not None and layer.codes.kind == "i8" and layer.codes.version == layer.weight._version
+    with torch.no_grad():
+        assert torch.equal(layer(x), torch.ops.dflow_rt.gemv(x, layer.weight) + layer.bias)
 
 
 def coded_pair(tied: bool):

@@ -30,11 +30,10 @@ inline float vsum(Vec v) { return _mm512_reduce_add_ps(v); }
 inline Vec vmul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
 inline Vec vadd(Vec a, Vec b) { return _mm512_add_ps(a, b); }
 inline Vec vset(float a) { return _mm512_set1_ps(a); }
-// kLanes bytes at p, widened to one int32 lane each (unsigned or signed), as floats after `nibble`
+// kLanes bytes at p, widened to one int32 lane each (unsigned or signed)
 inline __m512i vbytes(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline __m512i vbytes(const int8_t* p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline Vec vfloat(__m512i v) { return _mm512_cvtepi32_ps(v); }
-inline __m512i vnibble(__m512i v, bool high) { return high ? _mm512_srli_epi32(v, 4) : _mm512_and_si512(v, _mm512_set1_epi32(15)); }
 #elif defined(__AVX2__) && defined(__FMA__)
 using Vec = __m256;
 constexpr int64_t kLanes = 8;
@@ -56,7 +55,8 @@ inline Vec vset(float a) { return _mm256_set1_ps(a); }
 inline __m256i vbytes(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
 inline __m256i vbytes(const int8_t* p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
 inline Vec vfloat(__m256i v) { return _mm256_cvtepi32_ps(v); }
-inline __m256i vnibble(__m256i v, bool high) { return high ? _mm256_srli_epi32(v, 4) : _mm256_and_si256(v, _mm256_set1_epi32(15)); }
+inline __m256i vnibble(__m256i v, bool high)  // a byte's low or high 4 bits (AVX-512 looks nibbles up instead)
+   { return high ? _mm256_srli_epi32(v, 4) : _mm256_and_si256(v, _mm256_set1_epi32(15)); }
 #else
 #error "cpu_gemv.cpp needs AVX-512 or AVX2 with FMA (cpu_gemv.py builds it only there)"
 #endif
