@@ -4,11 +4,12 @@ A batch-1 step on CPU is a read of the weights, so its time is their bytes. Weig
 of a quantised file (SmolLM2 is published as a Q4_1 GGUF with a Q8_0 head; `fetch-model` stores it
 dequantised to float32) hold far less than 32 bits each: per block of 32 along a row, every value is
 d * q + m with q in 0..15 (kind "u4", 0.75 bytes a weight with its two float32 scales) or d * q with
-q in -128..127 ("i8", 1.125 bytes). `encode` finds such codes when a weight has them and keeps them
+q in -128..127 ("i8", 1.125 bytes). Weights kept as bfloat16 (the bundled drafters) hold 16 bits each:
+their float32's low half is zero ("b16", 2 bytes). `encode` finds such codes when a weight has them and keeps them
 only when the kernel's own decoder (`cpu_gemv.cpp`) gives back every float32 of the weight bit for
 bit; the kernel then streams the codes, rebuilds each value and sums exactly as it sums the float32
 weight. Results, and so tokens, are identical; only the bytes read change. A weight without codes
-(a trained drafter, any bf16 checkpoint) stays float32. `DFLOW_RT_EXACT_CODES=0` turns this off.
+(a drafter trained in float32, say) stays float32. `DFLOW_RT_EXACT_CODES=0` turns this off.
 """
 
 from __future__ import annotations
@@ -82,10 +83,27 @@ def _pack(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, kind: str, version:
     return Codes(kind, record.reshape(rows // GROUP, -1).contiguous(), version)
 
 
+def _pack_b16(w: torch.Tensor, version: int) -> Codes:
+    """A bfloat16-valued weight's high halves, in the kernel's layout (records without scales)."""
+    rows = w.shape[0]
+    high = (w.view(torch.int32) >> 16).to(torch.int16).view(torch.uint8)  # little-endian: 2 bytes a value
+    record = high.reshape(rows // GROUP, GROUP, -1, 2 * BLOCK).transpose(1, 2)
+    return Codes("b16", record.reshape(rows // GROUP, -1).contiguous(), version)
+
+
+def _codes(w: torch.Tensor, blocks: torch.Tensor, kind: str, version: int) -> Codes | None:
+    """Codes of `kind` that may stand for `w` (`encode` checks them), or None when it has none."""
+    if kind == "b16":
+        return None if (w.view(torch.int32) & 0xFFFF).any() else _pack_b16(w, version)
+    if _fit(blocks[:PROBE_ROWS], kind) is None:
+        return None
+    fit = _fit(blocks, kind)
+    return None if fit is None else _pack(*fit, kind, version)
+
+
 def decode(codes: Codes) -> torch.Tensor:
     """The float32 weight `codes` stand for, rebuilt by the kernel exactly as its products rebuild it."""
-    op = torch.ops.dflow_rt.decode_u4 if codes.kind == "u4" else torch.ops.dflow_rt.decode_i8
-    return op(codes.codes)
+    return getattr(torch.ops.dflow_rt, f"decode_{codes.kind}")(codes.codes)
 
 
 @torch.no_grad()
@@ -97,15 +115,10 @@ def encode(weight: torch.Tensor) -> Codes | None:
         return None
     w = weight.detach().contiguous()
     blocks = w.reshape(w.shape[0], -1, BLOCK)
-    for kind in LEVELS:
-        if _fit(blocks[:PROBE_ROWS], kind) is None:
-            continue
-        fit = _fit(blocks, kind)
-        if fit is None:
-            continue
-        codes = _pack(*fit, kind, weight._version)
-        if torch.equal(decode(codes).view(torch.int32), w.view(torch.int32)):  # bit for bit, -0.0 included
-            return codes
+    for kind in (*LEVELS, "b16"):
+        codes = _codes(w, blocks, kind, weight._version)
+        if codes is not None and torch.equal(decode(codes).view(torch.int32), w.view(torch.int32)):
+            return codes  # bit for bit, -0.0 included
     return None
 
 

@@ -15,7 +15,10 @@ pytestmark = pytest.mark.skipif(not cpu_gemv.enabled(), reason="needs an AVX-512
 
 
 def dequantised(w: torch.Tensor, kind: str) -> torch.Tensor:
-    """`w` as a GGUF file dequantises it: per block of 32, float16 scales, integer q, d * q (+ m) in float32."""
+    """`w` as a GGUF file dequantises it: per block of 32, float16 scales, integer q, d * q (+ m) in float32;
+    or ("b16") as a bfloat16 checkpoint loads in float32."""
+    if kind == "b16":
+        return w.bfloat16().float()
     blocks = w.reshape(w.shape[0], -1, 32)
     if kind == "u4":  # Q4_1
         m = blocks.amin(-1, keepdim=True)
@@ -30,14 +33,14 @@ def dequantised(w: torch.Tensor, kind: str) -> torch.Tensor:
 
 @settings(max_examples=25, deadline=None)
 @given(groups=st.integers(1, 12), blocks=st.integers(1, 6), rows=st.integers(1, cpu_gemv.MAX_ROWS),
-       kind=st.sampled_from(["u4", "i8"]), seed=st.integers(0, 999))
+       kind=st.sampled_from(["u4", "i8", "b16"]), seed=st.integers(0, 999))
 def test_coded_products_are_bit_identical_to_the_float32_kernel(groups, blocks, rows, kind, seed):
     g = torch.Generator().manual_seed(seed)
     w = dequantised(torch.randn(groups * exact_codes.GROUP, blocks * exact_codes.BLOCK, generator=g), kind)
     codes = exact_codes.encode(w)
     assert codes is not None and codes.kind == kind
     assert torch.equal(exact_codes.decode(codes).view(torch.int32), w.view(torch.int32))
-    assert codes.codes.numel() < w.numel() * w.element_size() / 3  # 0.75 or 1.125 bytes a weight, not 4
+    assert codes.codes.numel() == w.numel() * {"u4": 0.75, "i8": 1.125, "b16": 2}[kind]  # bytes a weight, not 4
     x = torch.randn(rows, w.shape[1], generator=g)
     got = cpu_gemv.linear(x, w, codes=codes)
     assert torch.equal(got, torch.ops.dflow_rt.gemv(x, w))
@@ -56,6 +59,9 @@ def test_weights_without_exact_codes_stay_float32():
     nearly = coded.clone()
     nearly[5, 40] = torch.nextafter(nearly[5, 40], torch.tensor(1.0))  # one value off by an ulp
     assert exact_codes.encode(nearly) is None
+    half_valued = dequantised(torch.randn(8, 64, generator=g), "b16")
+    half_valued[3, 7] = torch.nextafter(half_valued[3, 7], torch.tensor(1.0))  # one low bit set
+    assert exact_codes.encode(half_valued) is None
     source = torch.randn(8, 64, generator=g)
     source[2, 5] = 0.0  # q = 0: the dequantised value is +0.0
     zeros = dequantised(source, "i8")
@@ -94,7 +100,14 @@ def coded_pair(tied: bool):
             if p.dim() == 2:
                 p.copy_(dequantised(p, "i8" if "embed" in name or "lm_head" in name else "u4"))
     target = ours_from_hf(hf)
-    return hf, target, tiny_drafter(target, 4, block_size=8)
+    drafter = tiny_drafter(target, 4, block_size=8)
+    if not tied:  # a drafter kept in bfloat16, as the bundled ones are: its own products code as "b16"
+        shared = {p.data_ptr() for p in target.parameters()}
+        with torch.no_grad():
+            for p in drafter.parameters():
+                if p.data_ptr() not in shared:
+                    p.copy_(p.bfloat16().float())
+    return hf, target, drafter
 
 
 @pytest.mark.parametrize("tied", [True, False])
@@ -107,8 +120,9 @@ def test_a_runtime_over_a_coded_target_decodes_exactly_what_plain_decoding_does(
         monkeypatch.setenv("DFLOW_RT_EXACT_CODES", on)
         rt = dflow_rt.Runtime(target, drafter, dflow_rt.RuntimeConfig(max_batch=1, max_len=64, mode="eager",
                                                                       verify_width=4))
-        if on == "1":  # every product of the target coded; the drafter's trained weights stay float32
-            assert set(exact_codes.kinds(target)) == {"u4", "i8"} and set(exact_codes.kinds(drafter)) == {"float32"}
+        if on == "1":  # every product of the target coded; the drafter's coded only when bfloat16-valued
+            assert set(exact_codes.kinds(target)) == {"u4", "i8"}
+            assert set(exact_codes.kinds(drafter)) - {"i8"} == ({"float32"} if tied else {"b16"})
             assert 0 < rt.exact_codes["coded"] < rt.exact_codes["float32"] / 3
         else:
             assert rt.exact_codes is None and set(exact_codes.kinds(target)) == {"float32"}
@@ -152,7 +166,7 @@ def test_the_avx2_build_rebuilds_and_sums_alike(tmp_path):
     torch.ops.load_library(builder.get_target_file_path())
     ops = torch.ops.dflow_rt_avx2
     g = torch.Generator().manual_seed(0)
-    for kind in ("u4", "i8"):
+    for kind in ("u4", "i8", "b16"):
         w = dequantised(torch.randn(20, 96, generator=g), kind)
         codes = exact_codes.encode(w)
         assert torch.equal(getattr(ops, f"decode_{kind}")(codes.codes).view(torch.int32), w.view(torch.int32))

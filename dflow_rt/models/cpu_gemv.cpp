@@ -34,6 +34,10 @@ inline Vec vset(float a) { return _mm512_set1_ps(a); }
 inline __m512i vbytes(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline __m512i vbytes(const int8_t* p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline Vec vfloat(__m512i v) { return _mm512_cvtepi32_ps(v); }
+// kLanes bfloat16 bit patterns at p as the float32 values they are (the high half of each lane)
+inline Vec vbf16(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
 #elif defined(__AVX2__) && defined(__FMA__)
 using Vec = __m256;
 constexpr int64_t kLanes = 8;
@@ -55,6 +59,9 @@ inline Vec vset(float a) { return _mm256_set1_ps(a); }
 inline __m256i vbytes(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
 inline __m256i vbytes(const int8_t* p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
 inline Vec vfloat(__m256i v) { return _mm256_cvtepi32_ps(v); }
+inline Vec vbf16(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
 inline __m256i vnibble(__m256i v, bool high)  // a byte's low or high 4 bits (AVX-512 looks nibbles up instead)
    { return high ? _mm256_srli_epi32(v, 4) : _mm256_and_si256(v, _mm256_set1_epi32(15)); }
 #else
@@ -130,8 +137,8 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w) {
 }
 
 // Weights kept exactly in fewer bytes (dflow_rt/exact_codes.py). Per block of 32 along a row of
-// w, each weight is d * q + m (U4: q in 0..15, a nibble; scales d, m) or d * q (I8: q in -128..127; scale
-// d), rebuilt here as the very float32 it stands for (a multiply, then an add: the library is built with
+// w, each weight is d * q + m (U4: q in 0..15, a nibble; scales d, m), d * q (I8: q in -128..127; scale
+// d) or a bfloat16 (B16: the float32's high half, its low half being zero; no scale), rebuilt here as the very float32 it stands for (a multiply, then an add: the library is built with
 // -ffp-contract=off) and then summed exactly as `product` sums it: results are bit-identical.
 //
 // Rows of w are stored in groups of kGroup, a group's blocks one after another, each block as a record:
@@ -173,6 +180,13 @@ struct I8 {
   };
   static Block load(const float* s, const uint8_t* codes) { return {vset(s[0]), reinterpret_cast<const int8_t*>(codes)}; }
   static Vec values(const Block& b, int64_t first) { return vmul(b.d, vfloat(vbytes(b.q + first))); }
+};
+
+struct B16 {
+  static constexpr int64_t kScales = 0, kBytes = 2 * kBlock, kRecord = kGroup * kBytes;
+  using Block = const uint16_t*;
+  static Block load(const float*, const uint8_t* codes) { return reinterpret_cast<const uint16_t*>(codes); }
+  static Vec values(const Block& b, int64_t first) { return vbf16(b + first); }
 };
 
 // Row j of the group whose block record starts at `record`.
@@ -269,6 +283,8 @@ TORCH_LIBRARY_IMPL(dflow_rt, CPU, m) {
   m.impl("gemv", &gemv);
   m.impl("gemv_u4", &coded_gemv<U4>);
   m.impl("gemv_i8", &coded_gemv<I8>);
+  m.impl("gemv_b16", &coded_gemv<B16>);
   m.impl("decode_u4", &decode<U4>);
   m.impl("decode_i8", &decode<I8>);
+  m.impl("decode_b16", &decode<B16>);
 }

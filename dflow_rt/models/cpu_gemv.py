@@ -30,7 +30,7 @@ KEEP_BUILDS = 3  # kernel builds kept under the cache directory, this one includ
 MAX_ROWS = 16  # a decode or verify pass (a batch of 4 at verify width 4); prefill stays with the library
 FLAGS = ("-O3", "-ffp-contract=off")  # no multiply-add fused behind our back: exact codes rebuild weights exactly
 ISAS = ("AVX512", "AVX2")  # torch's names for the instruction sets the kernel has a tile for
-CODE_KINDS = ("u4", "i8")
+CODE_KINDS = ("u4", "i8", "b16")
 CODE_GROUP = 4  # rows of a weight stored together in its codes (`kGroup` in cpu_gemv.cpp)
 _ready: bool | None = None  # None: not tried yet in this process
 
@@ -126,8 +126,7 @@ def _current(codes: Codes | None, weight: torch.Tensor) -> bool:
 
 
 def _coded_product(x: torch.Tensor, codes: Codes) -> torch.Tensor:
-    op = torch.ops.dflow_rt.gemv_u4 if codes.kind == "u4" else torch.ops.dflow_rt.gemv_i8
-    return op(x, codes.codes)
+    return getattr(torch.ops.dflow_rt, f"gemv_{codes.kind}")(x, codes.codes)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
