@@ -3,6 +3,10 @@ codes save, how long coding takes, and one decode step's products (every weight 
 at a few row counts, the two kernels interleaved beside a plain read of the float32 bytes.
 
     python bench/exact_codes.py --target smollm2 --threads 2 --rows 1 2 4 8 --repeats 7
+    python bench/exact_codes.py --target smollm2 --drafter dflash --rows 8   # the drafter's own weights
+
+With --drafter, a pass covers the drafter's own products (not those it shares with the target), each
+pass after a read of 256 MB that evicts them from the caches, as the target's pass does in a round.
 
 Every coded product is first checked bit for bit against the float32 one (the codes' promise).
 """
@@ -23,14 +27,20 @@ from dflow_rt.models.bundled import load_models
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", default="smollm2")
+    p.add_argument("--drafter", default=None, help="time this drafter's own products instead of the target's")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--repeats", type=int, default=7, help="interleaved passes over both kernels")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     assert cpu_gemv.enabled(), "the CPU product kernel does not build or load here"
-    target, _, _ = load_models(args.target, None, "cpu", args.threads, True, None)
+    target, drafter, _ = load_models(args.target, args.drafter, "cpu", args.threads, True, None)
     layers = list({id(m.weight): m for m in target.modules() if isinstance(m, cpu_gemv.Linear)}.values())
+    evict = None
+    if drafter is not None:
+        shared = {m.weight.data_ptr() for m in layers}
+        layers = [m for m in drafter.modules() if isinstance(m, cpu_gemv.Linear) and m.weight.data_ptr() not in shared]
+        evict = torch.ones(64 << 20)
     t0 = time.perf_counter()
     codes = [exact_codes.encode(m.weight) for m in layers]
     seconds = time.perf_counter() - t0
@@ -53,6 +63,8 @@ def main() -> None:
             cpu_gemv.linear(xs[w.shape[1]], w, codes=c if use_codes else None)
 
     def timed(fn, *fn_args) -> float:
+        if evict is not None:
+            evict.sum()
         t = time.perf_counter()
         fn(*fn_args)
         return time.perf_counter() - t
