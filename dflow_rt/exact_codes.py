@@ -4,11 +4,11 @@ A batch-1 step on CPU is a read of the weights, so its time is their bytes. Weig
 of a quantised file (SmolLM2 is published as a Q4_1 GGUF with a Q8_0 head; `fetch-model` stores it
 dequantised to float32) hold far less than 32 bits each: per block of 32 along a row, every value is
 d * q + m with q in 0..15 (kind "u4", 0.75 bytes a weight with its two float32 scales) or d * q with
-q in -128..127 ("i8", 1.125 bytes). Weights kept as bfloat16 (the bundled drafters) hold 16 bits each:
-their float32's low half is zero ("b16", 2 bytes). `encode` finds such codes when a weight has them and keeps them
-only when the kernel's own decoder (`cpu_gemv.cpp`) gives back every float32 of the weight bit for
-bit; the kernel then streams the codes, rebuilds each value and sums exactly as it sums the float32
-weight. Results, and so tokens, are identical; only the bytes read change. A weight without codes
+q in -128..127 ("i8", 1.125 bytes). Weights kept as bfloat16 (the bundled drafters) hold 16 bits
+each: their float32's low half is zero ("b16", 2 bytes). `encode` finds such codes when a weight has
+them and keeps them only when the kernel's own decoder (`cpu_gemv.cpp`) gives back every float32 of
+the weight bit for bit; the kernel then streams the codes, rebuilds each value and sums exactly as it
+sums the float32 weight. Results, and so tokens, are identical; only the bytes read change. A weight without codes
 (a drafter trained in float32, say) stays float32. `DFLOW_RT_EXACT_CODES=0` turns this off.
 """
 

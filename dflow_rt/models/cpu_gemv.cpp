@@ -137,8 +137,9 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w) {
 }
 
 // Weights kept exactly in fewer bytes (dflow_rt/exact_codes.py). Per block of 32 along a row of
-// w, each weight is d * q + m (U4: q in 0..15, a nibble; scales d, m), d * q (I8: q in -128..127; scale
-// d) or a bfloat16 (B16: the float32's high half, its low half being zero; no scale), rebuilt here as the very float32 it stands for (a multiply, then an add: the library is built with
+// w, each weight is d * q + m (U4: q in 0..15, a nibble; scales d, m), d * q (I8: q in -128..127;
+// scale d) or a bfloat16 (B16: the float32's high half, its low half being zero; no scale), rebuilt
+// here as the very float32 it stands for (a multiply, then an add: the library is built with
 // -ffp-contract=off) and then summed exactly as `product` sums it: results are bit-identical.
 //
 // Rows of w are stored in groups of kGroup, a group's blocks one after another, each block as a record:
