@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import shutil
 import statistics
 import tempfile
 import time
@@ -82,6 +83,7 @@ def build(name: str, tiles: tuple, ahead: int, root: Path):
     out = root / namespace
     out.mkdir()
     (out / "gemv.cpp").write_text(src)
+    shutil.copy(cpu_gemv.HEADER, out / cpu_gemv.HEADER.name)
     options = CppTorchOptions(vec_isa=pick_vec_isa(), include_pytorch=True, shared=True, extra_flags=cpu_gemv.FLAGS)
     builder = CppBuilder(name=namespace, sources=[str(out / "gemv.cpp")], BuildOption=options, output_dir=str(out))
     builder.build()

@@ -3,6 +3,9 @@ own rounds (fallback off) over the first prompts of the code suite, wall time pe
 first, medians over prompts.
 
     python bench/round_cost.py --target smollm2 --drafter dflash --verify-width 4 --prompts 6
+    python bench/round_cost.py --attention torch cpu   # each Runtime once per attention implementation
+
+The first AR row named is the unit of every row's "AR steps".
 """
 
 from __future__ import annotations
@@ -43,17 +46,25 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=6)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--attention", nargs="+", default=["auto"], metavar="IMPL",
+                   help="attention implementations (RuntimeConfig.kernels), each a set of Runtimes [auto]")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     target, drafter, tokenizer = load_models(args.target, args.drafter, "cpu", args.threads, True, None)
-    runtimes = {f"DFlash k = {args.verify_width}, {mode}": Runtime(target, drafter, RuntimeConfig(
-        **SIZES, mode=mode, verify_width=args.verify_width)) for mode in ("eager", "compile")}
-    runtimes["AR, compile"] = Runtime(target, None, RuntimeConfig(**SIZES, mode="compile", verify_width=None))
+    runtimes = {}
+    for impl in args.attention:
+        tag = "" if args.attention == ["auto"] else f", attention {impl}"
+        kernels = {"attention": impl}
+        runtimes[f"AR, compile{tag}"] = Runtime(target, None, RuntimeConfig(
+            **SIZES, mode="compile", verify_width=None, kernels=kernels))
+        for mode in ("eager", "compile"):
+            runtimes[f"DFlash k = {args.verify_width}, {mode}{tag}"] = Runtime(target, drafter, RuntimeConfig(
+                **SIZES, mode=mode, verify_width=args.verify_width, kernels=kernels))
     times: dict[str, list[float]] = {name: [] for name in runtimes}
     for prompt in suite_prompts(tokenizer, "code", args.prompts):
         for name, rt in runtimes.items():  # interleaved, so that drift reaches all alike
             times[name].append(per_round_ms(rt, prompt, args.max_new_tokens))
-    ar = statistics.median(times["AR, compile"])
+    ar = statistics.median(next(t for name, t in times.items() if name.startswith("AR")))
     for name, ms in times.items():
         print(f"{name}: {statistics.median(ms):.1f} ms a round ({statistics.median(ms) / ar:.2f} AR steps)")
 

@@ -40,8 +40,9 @@ class RuntimeConfig:
     powers of two from 128 for `cudagraph`, where each bucket is a captured graph (the
     compiled round traces the length as a symbol, so there many buckets cost nothing).
     kernels: which implementation serves each fused op of the round (`dflow_rt.kernels`: attention,
-    sample, commit): "auto" (FlashInfer attention and Triton on CUDA where they import, plain torch
-    elsewhere), "torch", "triton", or a dict op -> implementation; resolved once at construction.
+    sample, commit): "auto" (FlashInfer attention and Triton on CUDA where they import; on CPU the
+    C++ attention and plain torch for the rest), "torch", "triton", "flashinfer" or "cpu" (attention
+    only), or a dict op -> implementation; resolved once at construction.
     tuned: fill the `auto` fields (and kernels "auto", default length buckets) from what
     `dflow-rt autotune` chose for these models on this device, when it wrote any (`dflow_rt.tuned`;
     the file used is logged); False: DEVICE_DEFAULTS only. Explicit settings always win.

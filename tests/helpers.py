@@ -92,3 +92,25 @@ def poison(rt, row: int, beyond: int) -> None:
     0 * NaN is NaN: only cleaning the row keeps those from its next request."""
     for span in (slice(1, 3), slice(beyond, beyond + 10)):
         rt.state.target_cache.k[0][row, :, span] = float("nan")
+
+
+def build_avx2(tmp_path, source, namespace: str):
+    """`source` (a C++ kernel of `dflow_rt/models`) built for AVX2 as a library of its own, its ops
+    defined under `namespace` rather than registered for dflow_rt's CPU dispatch: the other
+    instruction set's code, run on an AVX-512 machine. Returns `torch.ops.<namespace>`."""
+    import shutil
+
+    from torch._inductor.cpp_builder import CppBuilder, CppTorchOptions
+    from torch._inductor.cpu_vec_isa import VecAVX2
+
+    from dflow_rt.models import cpu_gemv
+
+    shutil.copy(cpu_gemv.HEADER, tmp_path / cpu_gemv.HEADER.name)  # what `#include "cpu_vec.h"` finds
+    src = source.read_text().replace("TORCH_LIBRARY_IMPL(dflow_rt, CPU, m)", f"TORCH_LIBRARY({namespace}, m)")
+    (tmp_path / f"{namespace}.cpp").write_text(src.replace("m.impl(", "m.def("))
+    options = CppTorchOptions(vec_isa=VecAVX2(), include_pytorch=True, shared=True, extra_flags=cpu_gemv.FLAGS)
+    builder = CppBuilder(name=namespace, sources=[str(tmp_path / f"{namespace}.cpp")], BuildOption=options,
+                         output_dir=str(tmp_path))
+    builder.build()
+    torch.ops.load_library(builder.get_target_file_path())
+    return getattr(torch.ops, namespace)

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 import dflow_rt
 from dflow_rt import exact_codes
 from dflow_rt.models import cpu_gemv
-from tests.helpers import hf_greedy, ours_from_hf, tiny_drafter, tiny_hf_target
+from tests.helpers import build_avx2, hf_greedy, ours_from_hf, tiny_drafter, tiny_hf_target
 
 pytestmark = pytest.mark.skipif(not cpu_gemv.enabled(), reason="needs an AVX-512 or AVX2 CPU and a compiler")
 
@@ -154,17 +154,7 @@ def test_compiled_rounds_stream_the_codes_and_decode_the_same_tokens(monkeypatch
 def test_the_avx2_build_rebuilds_and_sums_alike(tmp_path):
     """The other instruction set's code (8 lanes, arithmetic decoding instead of a lookup), built as a
     library of its own: exact values, and coded products bit-identical to its own float32 ones."""
-    from torch._inductor.cpp_builder import CppBuilder, CppTorchOptions
-    from torch._inductor.cpu_vec_isa import VecAVX2
-
-    src = cpu_gemv.SOURCE.read_text().replace("TORCH_LIBRARY_IMPL(dflow_rt, CPU, m)", "TORCH_LIBRARY(dflow_rt_avx2, m)")
-    (tmp_path / "avx2.cpp").write_text(src.replace("m.impl(", "m.def("))
-    options = CppTorchOptions(vec_isa=VecAVX2(), include_pytorch=True, shared=True, extra_flags=cpu_gemv.FLAGS)
-    builder = CppBuilder(name="avx2", sources=[str(tmp_path / "avx2.cpp")], BuildOption=options,
-                         output_dir=str(tmp_path))
-    builder.build()
-    torch.ops.load_library(builder.get_target_file_path())
-    ops = torch.ops.dflow_rt_avx2
+    ops = build_avx2(tmp_path, cpu_gemv.SOURCE, "dflow_rt_avx2")
     g = torch.Generator().manual_seed(0)
     for kind in ("u4", "i8", "b16"):
         w = dequantised(torch.randn(20, 96, generator=g), kind)

@@ -179,9 +179,10 @@ def test_kernels_trace_whole_under_torch_compile():
 
 
 def test_implementation_resolution(monkeypatch):
-    assert select("auto", "cpu").implementations == dict.fromkeys(selection.OPS, "torch")
+    assert select("auto", "cpu").implementations == {**dict.fromkeys(selection.OPS, "torch"), "attention": "cpu"}
     for op, requested, device in [("commit", "flashinfer", "cuda"), ("attention", "flashinfer", "cpu"),
-                                  ("attention", "cudnn", "cpu"), ("softmax", "torch", "cpu")]:
+                                  ("attention", "cudnn", "cpu"), ("softmax", "torch", "cpu"),
+                                  ("sample", "cpu", "cpu"), ("attention", "cpu", "cuda")]:
         with pytest.raises(InputError):
             resolve(op, requested, device)
     with pytest.raises(InputError):

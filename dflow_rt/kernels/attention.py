@@ -20,8 +20,10 @@ import torch
 import torch.nn.functional as F
 
 from dflow_rt.kernels.selection import interpreting, triton_kernel
+from dflow_rt.models import cpu_gemv
 from dflow_rt.models.layers import cache_mask
 
+HEAD_SIZES = (8, 16, 32, 64, 128)  # what the C++ kernel serves on AVX-512 and AVX2 alike
 tl: Any = None  # triton.language, bound on the first launch (selection.triton_kernel)
 
 
@@ -30,6 +32,19 @@ def attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: to
     """SDPA with the dense boolean mask the models build."""
     mask = cache_mask(start[:, None] + torch.arange(q.shape[2], device=start.device), k.shape[2], causal)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=True)
+
+
+def attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: torch.Tensor,
+                  causal: bool) -> torch.Tensor:
+    """`attention_torch` by the C++ kernel (`models/cpu_attention.cpp`) where it serves: float32 on CPU,
+    at most `cpu_gemv.MAX_ROWS` query rows (decode, verify, draft; prefill stays with SDPA), no
+    autograd, a head size in HEAD_SIZES. Each row reads only the keys it sees, summed in a fixed
+    order: bit-identical whatever rows share the call and whatever the cache view's length."""
+    if (q.shape[2] <= cpu_gemv.MAX_ROWS and q.shape[-1] in HEAD_SIZES
+            and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in (q, k, v))
+            and not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))) and cpu_gemv.enabled()):
+        return torch.ops.dflow_rt.cache_attention(q, k, v, start, causal)
+    return attention_torch(q, k, v, start, causal)
 
 
 def _attention_kernel(q, k, v, out, start, L, qk_scale, q_sb, q_sh, q_ss, k_sb, k_sh, k_ss, v_sb, v_sh, v_ss,

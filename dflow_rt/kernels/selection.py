@@ -1,5 +1,5 @@
-"""Which implementation serves each fused op: `torch` (the reference), `triton`, or `flashinfer`
-(attention only).
+"""Which implementation serves each fused op: `torch` (the reference), `triton`, `flashinfer`
+(attention only, CUDA) or `cpu` (attention only: a C++ kernel, `models/cpu_attention.cpp`).
 
 Nothing here imports triton or flashinfer until an implementation that needs them is asked for, so
 `import dflow_rt` works on an install without them (the CPU one may lack triton).
@@ -18,7 +18,7 @@ import torch
 from dflow_rt.errors import InputError
 
 OPS = ("commit", "sample", "attention")
-IMPLEMENTATIONS = ("torch", "triton", "flashinfer")
+IMPLEMENTATIONS = ("torch", "triton", "flashinfer", "cpu")
 
 
 @functools.cache
@@ -40,8 +40,10 @@ def resolve(op: str, requested: str, device: torch.device | str) -> str:
     """The implementation that serves `op` on `device` when `requested` ("auto" or an implementation).
 
     auto: flashinfer for the attention on CUDA when it imports, else triton on CUDA when it
-    imports, else torch. On CPU, triton runs only when asked for by name under the
-    interpreter. An implementation asked for by name that cannot run raises InputError.
+    imports, else torch; on CPU the C++ kernel for the attention (which hands what it does not
+    serve, bf16 or a prefill, to torch), torch for the rest. On CPU, triton runs only when asked
+    for by name under the interpreter. An implementation asked for by name that cannot run raises
+    InputError.
     """
     if op not in OPS:
         raise InputError(f"kernel op must be one of {', '.join(OPS)}, got {op!r}")
@@ -49,6 +51,8 @@ def resolve(op: str, requested: str, device: torch.device | str) -> str:
     if requested == "auto":
         if cuda and op == "attention" and importable("flashinfer"):
             return "flashinfer"
+        if not cuda and op == "attention":
+            return "cpu"
         return "triton" if cuda and importable("triton") else "torch"
     if requested == "torch":
         return requested
@@ -59,6 +63,12 @@ def resolve(op: str, requested: str, device: torch.device | str) -> str:
             raise InputError("kernel implementation 'flashinfer' needs a CUDA device")
         if not importable("flashinfer"):
             raise InputError("kernel implementation 'flashinfer' asked for, but `import flashinfer` fails")
+        return requested
+    if requested == "cpu":
+        if op != "attention":
+            raise InputError(f"cpu serves only the attention, not {op!r}")
+        if cuda:
+            raise InputError("kernel implementation 'cpu' needs a CPU device")
         return requested
     if requested == "triton":
         if not importable("triton"):

@@ -7,66 +7,17 @@
 // output element is summed in one fixed order (one lane per k modulo the vector width, then a fixed
 // tree), independent of the row count and the thread split: a row's result is bit-identical in a
 // 1-row step and in a 4-row verify pass.
-#include <immintrin.h>
 #include <cstring>
 #include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 
+#include "cpu_vec.h"
+
 namespace {
 
-// The vector type and the four operations a tile needs, per instruction set. AVX2 has 16 vector
-// registers against AVX-512's 32, so its tiles are smaller (`gemv` picks them).
-#if defined(__AVX512F__)
-using Vec = __m512;
-constexpr int64_t kLanes = 16;
-inline Vec vzero() { return _mm512_setzero_ps(); }
-inline Vec vload(const float* p, int64_t n) {  // the first n (<= kLanes) floats at p, zeros after
-  return n == kLanes ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1u), p);
-}
-inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
-inline float vsum(Vec v) { return _mm512_reduce_add_ps(v); }
-inline Vec vmul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
-inline Vec vadd(Vec a, Vec b) { return _mm512_add_ps(a, b); }
-inline Vec vset(float a) { return _mm512_set1_ps(a); }
-// kLanes bytes at p, widened to one int32 lane each (unsigned or signed)
-inline __m512i vbytes(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-inline __m512i vbytes(const int8_t* p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-inline Vec vfloat(__m512i v) { return _mm512_cvtepi32_ps(v); }
-// kLanes bfloat16 bit patterns at p as the float32 values they are (the high half of each lane)
-inline Vec vbf16(const uint16_t* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
-#elif defined(__AVX2__) && defined(__FMA__)
-using Vec = __m256;
-constexpr int64_t kLanes = 8;
-inline Vec vzero() { return _mm256_setzero_ps(); }
-inline Vec vload(const float* p, int64_t n) {
-  if (n == kLanes) return _mm256_loadu_ps(p);
-  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  return _mm256_maskload_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), lane));
-}
-inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
-inline float vsum(Vec v) {  // halves, then pairs, then the last two: one fixed tree
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
-}
-inline Vec vmul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
-inline Vec vadd(Vec a, Vec b) { return _mm256_add_ps(a, b); }
-inline Vec vset(float a) { return _mm256_set1_ps(a); }
-inline __m256i vbytes(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
-inline __m256i vbytes(const int8_t* p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
-inline Vec vfloat(__m256i v) { return _mm256_cvtepi32_ps(v); }
-inline Vec vbf16(const uint16_t* p) {
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
-}
-inline __m256i vnibble(__m256i v, bool high)  // a byte's low or high 4 bits (AVX-512 looks nibbles up instead)
-   { return high ? _mm256_srli_epi32(v, 4) : _mm256_and_si256(v, _mm256_set1_epi32(15)); }
-#else
-#error "cpu_gemv.cpp needs AVX-512 or AVX2 with FMA (cpu_gemv.py builds it only there)"
-#endif
+using namespace dflow_rt_cpu;
 
 // y[m0:m0+RX, n0:n0+RW]: one accumulator per element, summed over k lane by lane, then a fixed tree.
 // The first tile of a block of w also prefetches the next block (`ahead` rows of it) into L1.

@@ -26,6 +26,9 @@ from torch import nn
 
 log = logging.getLogger("dflow_rt")
 SOURCE = Path(__file__).with_name("cpu_gemv.cpp")
+# one library: the products, the cache attention (`dflow_rt.kernels.attention`) and their vector header
+SOURCES = (SOURCE, SOURCE.with_name("cpu_attention.cpp"))
+HEADER = SOURCE.with_name("cpu_vec.h")
 KEEP_BUILDS = 3  # kernel builds kept under the cache directory, this one included
 MAX_ROWS = 16  # a decode or verify pass (a batch of 4 at verify width 4); prefill stays with the library
 FLAGS = ("-O3", "-ffp-contract=off")  # no multiply-add fused behind our back: exact codes rebuild weights exactly
@@ -52,7 +55,7 @@ def _load() -> bool:
     from dflow_rt.models.fetch import cache_root
 
     # the flags and the ISA are in the key: a cache shared by two machines keeps a build each
-    source = SOURCE.read_bytes() + " ".join(FLAGS).encode()
+    source = b"".join(f.read_bytes() for f in (*SOURCES, HEADER)) + " ".join(FLAGS).encode()
     digest = hashlib.sha256(source + torch.__version__.encode() + isa.encode()).hexdigest()[:16]
     out = cache_root() / "kernels" / f"cpu_gemv_{digest}"
     library = out / "cpu_gemv.so"
@@ -74,7 +77,7 @@ def _build(out: Path, library: Path) -> None:
     tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
     tmp.mkdir(parents=True, exist_ok=True)
     options = CppTorchOptions(vec_isa=pick_vec_isa(), include_pytorch=True, shared=True, extra_flags=FLAGS)
-    builder = CppBuilder(name="cpu_gemv", sources=[str(SOURCE)], BuildOption=options, output_dir=str(tmp))
+    builder = CppBuilder(name="cpu_gemv", sources=[str(f) for f in SOURCES], BuildOption=options, output_dir=str(tmp))
     builder.build()
     out.mkdir(parents=True, exist_ok=True)
     os.replace(builder.get_target_file_path(), library)  # atomic: a concurrent builder finds a whole library or none
@@ -90,13 +93,22 @@ def _prune(current: Path, keep: int = KEEP_BUILDS) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-_library = torch.library.Library("dflow_rt", "DEF")  # the schema; cpu_gemv.cpp registers its CPU implementation
+_library = torch.library.Library("dflow_rt", "DEF")  # the schemas; SOURCES register the CPU implementations
 _library.define("gemv(Tensor x, Tensor w) -> Tensor")
 for _kind in CODE_KINDS:  # products over, and values of, weights in exact codes (`dflow_rt.exact_codes`)
     _library.define(f"gemv_{_kind}(Tensor x, Tensor codes) -> Tensor")
     _library.define(f"decode_{_kind}(Tensor codes) -> Tensor")
     torch.library.register_fake(f"dflow_rt::gemv_{_kind}",
                                 lambda x, codes: x.new_empty(x.shape[0], codes.shape[0] * CODE_GROUP))
+
+
+_library.define("cache_attention(Tensor q, Tensor k, Tensor v, Tensor start, bool causal) -> Tensor")
+
+
+@torch.library.register_fake("dflow_rt::cache_attention")
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: torch.Tensor, causal: bool) -> torch.Tensor:
+    b, heads, rows, d = q.shape
+    return q.new_empty(b, rows, heads, d).transpose(1, 2)
 
 
 @torch.library.register_fake("dflow_rt::gemv")
