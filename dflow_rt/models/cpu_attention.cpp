@@ -1,12 +1,13 @@
 // Attention of a few query rows over the static KV cache (decode, verify and draft passes), float32,
 // AVX-512 or AVX2 with FMA.
 //
-// A query row reads only the keys it sees, 0..start+j (causal: prefill and verify) or 0..start+B-1
-// (the drafter's bidirectional block), so it costs its own context; the dense masked SDPA computes
-// and discards every position of the length bucket, and at 2-4 query rows it cost 2.3x its 1-row
-// time. Each row is summed in one fixed order (a score lane by lane over the head dimension, then a
-// fixed tree; the weighted values over keys in order), so its result is bit-identical whatever rows share the call and whatever the bucket's length: a verify
-// pass reproduces plain steps exactly.
+// A query row reads only the keys it sees, 0..start+j (causal: decode and verify) or 0..start+B-1
+// (the drafter's bidirectional block), so it costs its own context; SDPA over the dense mask
+// computes and discards every position of the length bucket, and at 2-4 query rows it cost 2.3x
+// its 1-row time. Each row is summed in one fixed order (a score lane by lane over the head
+// dimension, then a fixed tree; the weighted values over keys in order), so its result is
+// bit-identical whatever rows share the call and whatever the bucket's length: a verify pass
+// reproduces plain steps exactly.
 #include <algorithm>
 #include <cmath>
 #include <limits>

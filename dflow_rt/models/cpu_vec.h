@@ -33,13 +33,16 @@ inline float vmaxall(Vec v) { return _mm512_reduce_max_ps(v); }
 // Lane i of the result is the sum of a[i]'s lanes, by a fixed tree: pairs of vectors interleaved and
 // added, then pairs of those, then 128-bit quarters (16 sums in 30 shuffles rather than 64).
 inline Vec vsums(const Vec (&a)[kLanes]) {
+  auto pairs = [](Vec x, Vec y) { return _mm512_add_ps(_mm512_unpacklo_ps(x, y), _mm512_unpackhi_ps(x, y)); };
+  auto halves = [](Vec x, Vec y) { return _mm512_add_ps(_mm512_shuffle_ps(x, y, 0x44), _mm512_shuffle_ps(x, y, 0xEE)); };
+  auto quarters = [](Vec x, Vec y) {
+    return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xDD));
+  };
   Vec b[8], c[4], d[2];
-  for (int i = 0; i < 8; ++i) b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
-  for (int i = 0; i < 4; ++i)
-    c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0x44), _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0xEE));
-  for (int i = 0; i < 2; ++i)
-    d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x88), _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], 0x88), _mm512_shuffle_f32x4(d[0], d[1], 0xDD));
+  for (int i = 0; i < 8; ++i) b[i] = pairs(a[2 * i], a[2 * i + 1]);
+  for (int i = 0; i < 4; ++i) c[i] = halves(b[2 * i], b[2 * i + 1]);
+  for (int i = 0; i < 2; ++i) d[i] = quarters(c[2 * i], c[2 * i + 1]);
+  return quarters(d[0], d[1]);
 }
 // kLanes bytes at p, widened to one int32 lane each (unsigned or signed)
 inline __m512i vbytes(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
@@ -91,10 +94,11 @@ inline float vmaxall(Vec v) {
   return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
 }
 inline Vec vsums(const Vec (&a)[kLanes]) {  // see the AVX-512 one: 8 sums, 128-bit halves last
+  auto pairs = [](Vec x, Vec y) { return _mm256_add_ps(_mm256_unpacklo_ps(x, y), _mm256_unpackhi_ps(x, y)); };
+  auto halves = [](Vec x, Vec y) { return _mm256_add_ps(_mm256_shuffle_ps(x, y, 0x44), _mm256_shuffle_ps(x, y, 0xEE)); };
   Vec b[4], c[2];
-  for (int i = 0; i < 4; ++i) b[i] = _mm256_add_ps(_mm256_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm256_unpackhi_ps(a[2 * i], a[2 * i + 1]));
-  for (int i = 0; i < 2; ++i)
-    c[i] = _mm256_add_ps(_mm256_shuffle_ps(b[2 * i], b[2 * i + 1], 0x44), _mm256_shuffle_ps(b[2 * i], b[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i) b[i] = pairs(a[2 * i], a[2 * i + 1]);
+  for (int i = 0; i < 2; ++i) c[i] = halves(b[2 * i], b[2 * i + 1]);
   return _mm256_add_ps(_mm256_permute2f128_ps(c[0], c[1], 0x20), _mm256_permute2f128_ps(c[0], c[1], 0x31));
 }
 inline __m256i vbytes(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
