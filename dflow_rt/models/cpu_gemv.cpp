@@ -95,8 +95,13 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w) {
 //
 // Rows of w are stored in groups of kGroup, a group's blocks one after another, each block as a record:
 // the kGroup rows' scales (float32), then their codes. A tile of kGroup rows of w reads one sequential
-// stream, which is what the hardware prefetcher follows best (bench/exact_codes.py).
-constexpr int64_t kBlock = 32, kGroup = 4;
+// stream (bench/exact_codes.py). The first tile over a group also prefetches the stream kAhead bytes
+// ahead: on an AMX Xeon the hardware prefetcher alone left a step's products at a third of the read
+// bandwidth, and 2 KB ahead made them 1.3-1.5x (1 row) and 1.6-1.85x (2-4 rows) faster (docs/experiments.md).
+#ifndef DFLOW_RT_CODES_AHEAD  // bench/codes_ahead.py builds other distances
+#define DFLOW_RT_CODES_AHEAD 2048
+#endif
+constexpr int64_t kBlock = 32, kGroup = 4, kAhead = DFLOW_RT_CODES_AHEAD, kLine = 64;
 
 struct U4 {  // byte j of a row's codes: element j in its low nibble, element j + 16 in its high one
   static constexpr int64_t kScales = 2, kBytes = kBlock / 2, kRecord = kGroup * (kScales * 4 + kBytes);
@@ -155,6 +160,9 @@ inline void coded_tile(const float* x, const uint8_t* group, float* y, int64_t K
   for (int i = 0; i < RX; ++i)
     for (int j = 0; j < kGroup; ++j) acc[i][j] = vzero();
   for (int64_t b = 0; b < K / kBlock; ++b) {
+    if (kAhead > 0 && m0 == 0)  // the next tiles over this group read it from L1
+      for (int64_t line = 0; line < C::kRecord; line += kLine)
+        _mm_prefetch(reinterpret_cast<const char*>(group + b * C::kRecord + kAhead + line), _MM_HINT_T0);
     typename C::Block wb[kGroup];
     for (int j = 0; j < kGroup; ++j) wb[j] = load<C>(group + b * C::kRecord, j);
     for (int64_t first = 0; first < kBlock; first += kLanes) {
