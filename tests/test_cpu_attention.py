@@ -66,6 +66,30 @@ def test_a_row_is_bit_identical_alone_on_other_threads_and_in_a_shorter_view(sha
         torch.set_num_threads(threads)
 
 
+def test_compiled_after_an_in_place_write_it_reads_the_cache_itself():
+    """As in a compiled round: keys and values written into the strided cache views, then attended.
+    The op reads k and v through their strides, so inductor must hand it the written views, not
+    copies in the traced value's contiguous layout (one per layer, growing with the context)."""
+    from torch._inductor.utils import run_and_get_code
+
+    q, k, v = case(0, b=1, kv_heads=3, group=3, B=4, d=64, L=40)
+    new_k, new_v = torch.randn(2, 1, 3, 4, 64)
+    positions, start = torch.arange(20, 24), torch.tensor([20])
+
+    def write_then_attend(q, k, v, new_k, new_v):
+        k[:, :, positions] = new_k
+        v[:, :, positions] = new_v
+        return torch.ops.dflow_rt.cache_attention(q, k, v, start, True)
+
+    expected = write_then_attend(q, k.clone(), v.clone(), new_k, new_v)
+    torch._dynamo.reset()
+    compiled = torch.compile(write_then_attend, fullgraph=True, dynamic=False)
+    with torch._inductor.config.patch(fx_graph_cache=False):  # the cache's key does not see the op's tags
+        got, code = run_and_get_code(compiled, q, k, v, new_k, new_v)
+    assert torch.equal(got, expected)
+    assert "empty_strided_cpu((1, 3, 40, 64)" not in "".join(code), "the compiled graph copies the cache to attend"
+
+
 def test_what_it_does_not_serve_goes_to_sdpa():
     q, k, v = case(0, 1, 2, 2, 3, 16, 40)
     start = torch.tensor([5])

@@ -102,7 +102,11 @@ for _kind in CODE_KINDS:  # products over, and values of, weights in exact codes
                                 lambda x, codes: x.new_empty(x.shape[0], codes.shape[0] * CODE_GROUP))
 
 
-_library.define("cache_attention(Tensor q, Tensor k, Tensor v, Tensor start, bool causal) -> Tensor")
+# Flexible layout: the kernel reads k and v through their strides, so the compiled graph hands it the
+# cache it has just written in place. Without the tag inductor copied each layer's cache into the
+# contiguous layout of the traced value first: a copy per layer that grows with the context.
+_library.define("cache_attention(Tensor q, Tensor k, Tensor v, Tensor start, bool causal) -> Tensor",
+                tags=(torch.Tag.flexible_layout,))
 
 
 @torch.library.register_fake("dflow_rt::cache_attention")
