@@ -25,7 +25,7 @@ from dflow_rt.sampling import accept, excluded_token, screen
 
 @dataclass
 class RoundTrace:
-    """One round as the diagnostics see it: the block, the target's choices, drafts without the relay."""
+    """One round as the diagnostics see it: the verified block, the target's choices, drafts without the relay."""
 
     block: list[int]
     verified: list[int]
@@ -87,7 +87,7 @@ def generate(target: Target, drafter: Drafter | None, prompt_ids: Sequence[int] 
     including the first stop token; with a drafter, the target never chooses its mask token
     (`sampling.excluded_token`). `config` holds the settings this round shares with a Runtime
     (`dflow_rt.generate` takes the same): block_size (default the drafter's), verify_width (the
-    drafter drafts its whole block, the target verifies the first k; default all), emit_mask_token,
+    drafter drafts and the target verifies the first k positions of the block; default all), emit_mask_token,
     and max_len, which bounds prompt + new tokens + block (default: the target's
     max_position_embeddings); its other fields choose how a Runtime runs and mean nothing here.
     A `trace` list receives every round (for a DFlow drafter also what it would have drafted
@@ -120,8 +120,8 @@ def generate(target: Target, drafter: Drafter | None, prompt_ids: Sequence[int] 
         block[0, 0] = out[-1]
         block_pos = arange[:, start:start + B]
         if B > 1:
-            block[:, 1:] = drafter.propose(target, block, block_pos, cache=draft_cache, ctx_feat=ctx_feat,
-                                             ctx_pos=ctx_pos, relay=relay)
+            block[:, 1:k] = drafter.propose(target, block[:, :k], block_pos[:, :k], cache=draft_cache,
+                                              ctx_feat=ctx_feat, ctx_pos=ctx_pos, relay=relay)
         checked = block[:, :k]
         logits, feat = target(checked, block_pos[:, :k], target_cache, rows, layer_ids=layer_ids)
         screen(logits, mask)
@@ -129,8 +129,8 @@ def generate(target: Target, drafter: Drafter | None, prompt_ids: Sequence[int] 
         a_t = accept(checked, verified)
         a = int(a_t[0])
         if trace is not None:
-            trace.append(RoundTrace(block[0].tolist(), verified[0].tolist(), a, _drafts_without_relay(
-                target, drafter, block, block_pos, draft_cache, relay)))
+            trace.append(RoundTrace(checked[0].tolist(), verified[0].tolist(), a, _drafts_without_relay(
+                target, drafter, checked, block_pos[:, :k], draft_cache, relay)))
         out += block[0, 1:a + 1].tolist() + [int(verified[0, a])]
         accepted.append(a + 1)
         if B > 1:  # carry: accepted features become context, the rest is relayed

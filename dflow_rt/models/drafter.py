@@ -199,16 +199,14 @@ class Drafter(nn.Module):
 
     def propose(self, target: nn.Module, block_ids: torch.Tensor, block_pos: torch.Tensor, *, cache: KVCache,
                 ctx_feat: torch.Tensor | None = None, ctx_pos: torch.Tensor | None = None,
-                relay: RelayBuffer | None = None, attention: Callable | None = None,
-                width: int | None = None) -> torch.Tensor:
-        """Greedy drafts [batch, width - 1] for slots 1.. of `block_ids` (one denoising step).
+                relay: RelayBuffer | None = None, attention: Callable | None = None) -> torch.Tensor:
+        """Greedy drafts [batch, n - 1] for slots 1.. of `block_ids` [batch, n] (one denoising step).
 
-        With a DFlow relay and a `relay` buffer holding the last verify pass, the rejected
-        suffix's features enter the pass (added to the mask embeddings, or as keys/values).
-        `width` (default: the block): the pass still runs over the whole block, so the drafts
-        are the same, but only slots below `width` go through the vocabulary head (fewer rows
-        of the largest GEMM of a batched draft pass, when the target verifies a short prefix).
-        `attention`: see `forward`. Every row of `cache` and `relay` drafts.
+        `n` may be less than the block size: the pass then spans those positions only (a verify
+        of the first n; see `batched_round.draft`). With a DFlow relay and a `relay` buffer holding
+        the last verify pass, the rejected suffix's features enter the pass (added to the mask
+        embeddings, or as keys/values). `attention`: see `forward`. Every row of `cache` and
+        `relay` drafts.
         """
         emb, relay_kv, ctx = self.embed(target, block_ids), None, None
         if ctx_feat is not None:
@@ -217,12 +215,14 @@ class Drafter(nn.Module):
             # The static round's context is the relay buffer itself: project it once.
             shared = ctx if ctx_feat is relay.features else None
             vectors, valid = self.relay_vectors(target, relay, None, shared)
+            n = block_ids.shape[1]  # a shorter pass: slots past it relay nothing it could use
+            vectors, valid = vectors[:, :n], valid[:, :n]
             if self.config.relay_input == "kv":
                 relay_kv = vectors, valid
             else:
                 emb = emb + vectors
         h = self(emb, block_pos, cache=cache, relay_kv=relay_kv, attention=attention)
-        return self.greedy(target, h[:, 1:width])
+        return self.greedy(target, h[:, 1:])
 
 
 def with_relay(drafter: Drafter, relay_hidden: int, seed: int = 0, relay_input: str = "mask_embedding") -> Drafter:
