@@ -1,7 +1,9 @@
 """Where a compiled batch-1 step's time goes: `torch.profiler` over steps of the Runtime's own rounds
 (AR by default, or a DFlash round at a verify width), self CPU time per op a step, largest first.
+`--mode eager` profiles the eager rounds instead, where the Python between ops shows as the gap
+between the steps' wall time and their ops' self time.
 
-    python bench/step_profile.py --target smollm2 --threads 2 [--drafter dflash --verify-width 4]
+    python bench/step_profile.py --target smollm2 --threads 2 [--drafter dflash --verify-width 4] [--mode eager]
 """
 
 from __future__ import annotations
@@ -26,13 +28,14 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rows", type=int, default=25, help="ops shown")
+    p.add_argument("--mode", choices=("compile", "eager"), default="compile")
     p.add_argument("--shapes", action="store_true", help="one line per op and input shapes")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     drafted = args.drafter != "none"
     target, drafter, tokenizer = load_models(args.target, args.drafter if drafted else None, "cpu",
                                              args.threads, True, None)
-    rt = Runtime(target, drafter, RuntimeConfig(**SIZES, mode="compile",
+    rt = Runtime(target, drafter, RuntimeConfig(**SIZES, mode=args.mode,
                                                 verify_width=args.verify_width if drafted else None))
     prompt = suite_prompts(tokenizer, "code", 1)[0]
     rid = rt.add_request(prompt, max_new_tokens=args.steps + 8)

@@ -250,17 +250,34 @@ def test_drafter_cache_accumulates_committed_context(case, n2, data):
 
 def test_rotary_tables_match_the_formula_past_a_reserve():
     """Rotary tables are looked up by position; `reserve` grows them for longer caches."""
-    from dflow_rt.models.layers import Rotary
+    from dflow_rt.models.layers import Rotary, apply_rope, rope_cos_sin
 
     rotary = Rotary(16, 10_000.0, None, 32)
     rotary.reserve(100)
     pos = torch.tensor([0, 5, 31, 32, 99])
     x = torch.randn(5, 2, 16)
-    cos, sin = rotary(pos[None], torch.float32)
-    rotated = x * cos[0].transpose(0, 1) + rotate_half(x) * sin[0].transpose(0, 1)
+    cos, signed_sin = (t[0].transpose(0, 1) for t in rotary(pos[None], torch.float32))
+    rotated = apply_rope(x, cos, signed_sin)
     torch.testing.assert_close(rotated, ref_rope(x, pos, 10_000.0))
+    # the HF rotation, to the bit, over the same tables
+    cos, sin = (t[0].transpose(0, 1) for t in rope_cos_sin(pos[None], rotary.inv_freq, torch.float32))
+    assert torch.equal(rotated, x * cos + rotate_half(x) * sin)
     with pytest.raises(IndexError):
         rotary(torch.tensor([[100]]), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rms_norm_rounds_as_the_hf_models_do(dtype):
+    """Normalised in fp32, cast, then scaled in the input dtype: bit for bit the HF formula."""
+    from dflow_rt.models.layers import RMSNorm
+
+    norm = RMSNorm(64, 1e-6)
+    norm.weight.data = torch.randn(64)
+    norm.to(dtype)
+    x = (torch.randn(3, 5, 64) * 4).to(dtype)
+    xf = x.float()
+    expected = norm.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+    assert torch.equal(norm(x), expected)
 
 
 def test_default_target_layer_ids():

@@ -26,8 +26,9 @@ from torch import nn
 
 log = logging.getLogger("dflow_rt")
 SOURCE = Path(__file__).with_name("cpu_gemv.cpp")
-# one library: the products, the cache attention (`dflow_rt.kernels.attention`) and their vector header
-SOURCES = (SOURCE, SOURCE.with_name("cpu_attention.cpp"))
+# one library: the products, the cache attention (`dflow_rt.kernels.attention`), the eager passes' small
+# ops and their vector header
+SOURCES = (SOURCE, SOURCE.with_name("cpu_attention.cpp"), SOURCE.with_name("cpu_eager.cpp"))
 HEADER = SOURCE.with_name("cpu_vec.h")
 KEEP_BUILDS = 3  # kernel builds kept under the cache directory, this one included
 MAX_ROWS = 16  # a decode or verify pass (a batch of 4 at verify width 4); prefill stays with the library
@@ -109,6 +110,12 @@ _library.define("cache_attention(Tensor q, Tensor k, Tensor v, Tensor start, boo
                 tags=(torch.Tag.flexible_layout,))
 
 
+# the eager passes' small ops (`cpu_eager.cpp`): never traced, so no shape functions
+_library.define("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor")
+_library.define("rope_write(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
+                "Tensor(b!) v_cache, Tensor positions) -> Tensor")
+
+
 @torch.library.register_fake("dflow_rt::cache_attention")
 def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: torch.Tensor, causal: bool) -> torch.Tensor:
     b, heads, rows, d = q.shape
@@ -167,6 +174,20 @@ def linear_parts(x: torch.Tensor, layers: Sequence[Linear], merged: Codes | None
     y = _coded_product(x.reshape(-1, x.shape[-1]).contiguous(), merged).reshape(*x.shape[:-1], -1)
     parts = y.split([m.weight.shape[0] for m in layers], -1)
     return [p if m.bias is None else p + m.bias for p, m in zip(parts, layers, strict=True)]
+
+
+def eager_served(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the C++ small ops (`cpu_eager.cpp`) serve a pass over `x` whose products the kernel serves:
+    eager passes only, as a compiled pass fuses torch's small ops into its neighbours."""
+    return not torch.compiler.is_compiling() and _served(x, weight) > 0
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's RMSNorm (normalised in float32, then scaled in x's dtype), by the C++ op where `eager_served`,
+    else by torch's (an eager pass pays about 10 us a call for its chain of small ops)."""
+    if eager_served(x, weight):
+        return torch.ops.dflow_rt.rms_norm(x, weight, eps)
+    return weight * F.rms_norm(x, weight.shape, None, eps)
 
 
 class Linear(nn.Linear):
