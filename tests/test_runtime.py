@@ -293,6 +293,26 @@ def test_every_verify_width_matches_the_reference_round(reference_pair, relay):
     assert longest[1] == 2 and longest[16] > longest[4] > 2, longest  # widths really cap acceptance
 
 
+@pytest.mark.parametrize("relay", [False, True], ids=["dflash", "dflow"])
+def test_relay_rows_past_the_widest_verify_are_never_read(reference_pair, relay):
+    """A round writes only the relay rows a verify of this Runtime can commit to the drafter's
+    context: NaN in the rows past the widest width (4) changes neither tokens nor acceptance. (With
+    every row written, the NaN keys reach the draft pass's masked SDPA, where 0 * NaN is NaN.)"""
+    target, drafter = reference_pair
+    drafter = random_relay(drafter, seed=1) if relay else drafter
+    prompts = [c["prompt_ids"] for c in CASES[:2]]
+    runs = []
+    for poison in (False, True):
+        rt = Runtime(target, drafter, RuntimeConfig(mode="eager", max_batch=2, max_len=96, verify_width=4,
+                                                    ar_fallback=False, kernels={"attention": "torch"}))
+        assert rt.plan.context_width == 4
+        if poison:
+            rt.state.relay.features[:, 4:] = float("nan")
+        runs.append(per_round(rt, prompts, 40))
+    assert runs[0] == runs[1]
+    assert runs[0][0] == [c["output_ids"][:40] for c in CASES[:2]]
+
+
 def test_verify_width_per_batch_bucket(reference_pair):
     target, drafter = reference_pair
     config = RuntimeConfig(max_batch=4, max_len=96, batch_buckets=(1, 4), verify_width={1: 3},

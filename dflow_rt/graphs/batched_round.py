@@ -30,6 +30,12 @@ def draft(target, drafter, s: DecodeState, plan: RoundPlan, width: int | None = 
     masks without one). At width 1, a plain target step, the drafter only writes the last verify's
     features to its context (`dflow_rt.fallback`).
 
+    The context write covers the relay buffer's first `plan.context_width` rows, the widest verify
+    of this Runtime: a verify at width k commits at most k positions, and the rows past them are
+    stale (at or past the next block, where they would be masked or overwritten). Projecting all B
+    rows where 4 are verified cost a SmolLM2 plain step about 0.3 ms on CPU (docs/experiments.md,
+    "The context write cut to the verified rows").
+
     The draft pass spans the `width` positions the target verifies, not the whole block: its
     products and attention then cover fewer rows (a compiled SmolLM2 round at width 2 costs about
     7 % less on CPU), and the drafts, which see fewer mask positions in the block's bidirectional
@@ -38,13 +44,14 @@ def draft(target, drafter, s: DecodeState, plan: RoundPlan, width: int | None = 
     block = torch.where(s.slots == 0, s.tokens[:, None], plan.filler)[:, :width]
     if drafter is None:
         return block
-    ctx_pos = s.ctx_start[:, None] + s.slots
+    n = plan.context_width
+    ctx_pos = s.ctx_start[:, None] + s.slots[:n]
+    ctx = drafter.write_context(s.relay.features[:, :n], ctx_pos, s.draft_cache, None)
     if width == 1:
-        drafter.write_context(s.relay.features, ctx_pos, s.draft_cache, None)
         return block
     pos = s.start[:, None] + s.slots[:block.shape[1]]
-    drafts = drafter.propose(target, block, pos, cache=s.draft_cache, ctx_feat=s.relay.features, ctx_pos=ctx_pos,
-                             relay=s.relay, attention=_fused(plan, "attention"))
+    drafts = drafter.propose(target, block, pos, cache=s.draft_cache, relay=s.relay, projected=ctx,
+                             attention=_fused(plan, "attention"))
     return torch.cat([block[:, :1], drafts], dim=1)
 
 

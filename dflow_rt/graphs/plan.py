@@ -22,6 +22,7 @@ class RoundPlan:
     rows: tuple[int, ...]  # batch buckets: a round runs the first `rows` rows of the state
     lengths: tuple[int, ...]  # length buckets: a round attends over the first `length` cache positions
     widths: dict[int, int]  # verify width per batch bucket
+    context_width: int  # relay rows a round writes to the drafter's context: the widest verify (`batched_round.draft`)
     sampling: bool  # rounds in which a row samples are built (RuntimeConfig.sampling); else only greedy ones
     ar_fallback: bool  # each bucket also has rounds at widths 1 (no draft pass) and ceil(k / 2): `round_widths`
     block_size: int  # B: 1 without a drafter
@@ -41,7 +42,8 @@ class RoundPlan:
         fallback = c.ar_fallback is True and drafter is not None and max(widths.values()) > 1 \
             and not hasattr(kernels.attention, "plan")  # FlashInfer plans per verify width
         return cls(mode=c.mode, compiler=c.compiler, freeze=c.freeze, rows=c.buckets(), lengths=lengths,
-                   widths=widths, sampling=c.sampling, ar_fallback=fallback, block_size=block_size,
+                   widths=widths, context_width=max(widths.values()), sampling=c.sampling, ar_fallback=fallback,
+                   block_size=block_size,
                    filler=drafter.config.mask_token_id if drafter is not None else 0,
                    exclude=excluded_token(drafter, c.emit_mask_token),
                    layer_ids=drafter.target_layer_ids if drafter is not None else (),
@@ -51,8 +53,9 @@ class RoundPlan:
         """What the compiled rounds depend on beyond the models and their own row count, width and
         variant (which name a graph within an entry), for the compile cache's key: not the lengths,
         which the rounds trace as a symbol, so one entry serves every max_len and every set of buckets."""
-        return {"mode": self.mode, "block_size": self.block_size, "filler": self.filler, "exclude": self.exclude,
-                "layer_ids": self.layer_ids, "kernels": dict(self.kernels.implementations)}
+        return {"mode": self.mode, "block_size": self.block_size, "context_width": self.context_width,
+                "filler": self.filler, "exclude": self.exclude, "layer_ids": self.layer_ids,
+                "kernels": dict(self.kernels.implementations)}
 
     def round_widths(self, rows: int) -> tuple[int, ...]:
         """The verify widths bucket `rows` has a round for: its own k, and with the fallback also 1 (a

@@ -152,40 +152,45 @@ inline typename C::Block load(const uint8_t* record, int j) {
   return C::load(reinterpret_cast<const float*>(record) + j * C::kScales, record + kGroup * C::kScales * 4 + j * C::kBytes);
 }
 
-// `tile` over a group of coded rows of w (rows [n0, n0 + kGroup)): each vector of w decoded once for the
-// RX rows of x.
-template <class C, int RX>
-inline void coded_tile(const float* x, const uint8_t* group, float* y, int64_t K, int64_t N, int64_t m0, int64_t n0) {
-  Vec acc[RX][kGroup];
+// `tile` over rows [j0, j0 + J) of a group of coded rows of w (rows [n0, n0 + kGroup)): each vector of w
+// decoded once for the RX rows of x. Decoding is most of a coded product's work on AVX2, so a pass of
+// 4+ rows takes them all in one tile over half a group (16 vector registers hold 4 x 2 accumulators,
+// not 4 x 4) rather than two tiles over the whole group, which would decode every weight twice.
+template <class C, int RX, int J>
+inline void coded_tile(const float* x, const uint8_t* group, float* y, int64_t K, int64_t N, int64_t m0, int64_t n0,
+                       int j0) {
+  Vec acc[RX][J];
   for (int i = 0; i < RX; ++i)
-    for (int j = 0; j < kGroup; ++j) acc[i][j] = vzero();
+    for (int j = 0; j < J; ++j) acc[i][j] = vzero();
   for (int64_t b = 0; b < K / kBlock; ++b) {
-    if (kAhead > 0 && m0 == 0)  // the next tiles over this group read it from L1
+    if (kAhead > 0 && m0 == 0 && j0 == 0)  // the next tiles over this group read it from L1
       for (int64_t line = 0; line < C::kRecord; line += kLine)
         _mm_prefetch(reinterpret_cast<const char*>(group + b * C::kRecord + kAhead + line), _MM_HINT_T0);
-    typename C::Block wb[kGroup];
-    for (int j = 0; j < kGroup; ++j) wb[j] = load<C>(group + b * C::kRecord, j);
+    typename C::Block wb[J];
+    for (int j = 0; j < J; ++j) wb[j] = load<C>(group + b * C::kRecord, j0 + j);
     for (int64_t first = 0; first < kBlock; first += kLanes) {
-      Vec wv[kGroup];
-      for (int j = 0; j < kGroup; ++j) wv[j] = C::values(wb[j], first);
+      Vec wv[J];
+      for (int j = 0; j < J; ++j) wv[j] = C::values(wb[j], first);
       for (int i = 0; i < RX; ++i) {
         const Vec xv = vload(x + (m0 + i) * K + b * kBlock + first, kLanes);
-        for (int j = 0; j < kGroup; ++j) acc[i][j] = vfma(xv, wv[j], acc[i][j]);
+        for (int j = 0; j < J; ++j) acc[i][j] = vfma(xv, wv[j], acc[i][j]);
       }
     }
   }
   for (int i = 0; i < RX; ++i)
-    for (int j = 0; j < kGroup; ++j) y[(m0 + i) * N + n0 + j] = vsum(acc[i][j]);
+    for (int j = 0; j < J; ++j) y[(m0 + i) * N + n0 + j0 + j] = vsum(acc[i][j]);
 }
 
-template <class C, int RX>
+template <class C, int RX, int J>
 void coded_product(const float* x, const uint8_t* codes, float* y, int64_t M, int64_t K, int64_t N) {
   const int64_t group_bytes = K / kBlock * C::kRecord;
   at::parallel_for(0, N / kGroup, 16, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) {
+      const uint8_t* group = codes + g * group_bytes;
       int64_t m = 0;
-      for (; m + RX <= M; m += RX) coded_tile<C, RX>(x, codes + g * group_bytes, y, K, N, m, g * kGroup);
-      for (; m < M; ++m) coded_tile<C, 1>(x, codes + g * group_bytes, y, K, N, m, g * kGroup);
+      for (; m + RX <= M; m += RX)
+        for (int j0 = 0; j0 < kGroup; j0 += J) coded_tile<C, RX, J>(x, group, y, K, N, m, g * kGroup, j0);
+      for (; m < M; ++m) coded_tile<C, 1, kGroup>(x, group, y, K, N, m, g * kGroup, 0);
     }
   });
 }
@@ -208,10 +213,10 @@ at::Tensor coded_gemv(const at::Tensor& x, const at::Tensor& codes) {
   const float* xp = x.data_ptr<float>();
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
-  constexpr int wide = kLanes == 16 ? 2 : 1;  // AVX-512's 32 vector registers hold taller tiles
-  if (M == 1) coded_product<C, 1>(xp, cp, yp, M, K, N);
-  else if (M < 4) coded_product<C, 2>(xp, cp, yp, M, K, N);
-  else coded_product<C, 2 * wide>(xp, cp, yp, M, K, N);
+  constexpr int half = kLanes == 16 ? kGroup : kGroup / 2;  // AVX-512's 32 registers hold 4 x 4 accumulators
+  if (M == 1) coded_product<C, 1, kGroup>(xp, cp, yp, M, K, N);
+  else if (M < 4) coded_product<C, 2, kGroup>(xp, cp, yp, M, K, N);
+  else coded_product<C, 4, half>(xp, cp, yp, M, K, N);
   return y;
 }
 

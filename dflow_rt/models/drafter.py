@@ -142,7 +142,8 @@ class Drafter(nn.Module):
                       projected: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-slot relay vectors [batch, B, hidden] (zero where nothing is relayed) and which
         slots carry one [batch, B]. `projected`: the buffer's features through `project`, when the
-        caller has them already (the static round, whose context is the same features)."""
+        caller has them already (the static round, whose context is the same features); its first
+        n rows give the first n slots, enough for a verify of at most n positions."""
         pick = (lambda t: t) if rows is None else (lambda t: t[rows])
         if projected is None:
             projected = self.project(pick(buffer.features))
@@ -199,22 +200,22 @@ class Drafter(nn.Module):
 
     def propose(self, target: nn.Module, block_ids: torch.Tensor, block_pos: torch.Tensor, *, cache: KVCache,
                 ctx_feat: torch.Tensor | None = None, ctx_pos: torch.Tensor | None = None,
-                relay: RelayBuffer | None = None, attention: Callable | None = None) -> torch.Tensor:
+                relay: RelayBuffer | None = None, projected: torch.Tensor | None = None,
+                attention: Callable | None = None) -> torch.Tensor:
         """Greedy drafts [batch, n - 1] for slots 1.. of `block_ids` [batch, n] (one denoising step).
 
         `n` may be less than the block size: the pass then spans those positions only (a verify
         of the first n; see `batched_round.draft`). With a DFlow relay and a `relay` buffer holding
         the last verify pass, the rejected suffix's features enter the pass (added to the mask
-        embeddings, or as keys/values). `attention`: see `forward`. Every row of `cache` and
-        `relay` drafts.
+        embeddings, or as keys/values); `projected`: the buffer's first rows through `project`, when
+        the caller has them (the static round, whose context write projects them). `attention`: see
+        `forward`. Every row of `cache` and `relay` drafts.
         """
-        emb, relay_kv, ctx = self.embed(target, block_ids), None, None
+        emb, relay_kv = self.embed(target, block_ids), None
         if ctx_feat is not None:
-            ctx = self.write_context(ctx_feat, ctx_pos, cache, None)
+            self.write_context(ctx_feat, ctx_pos, cache, None)
         if self.use_relay and relay is not None:
-            # The static round's context is the relay buffer itself: project it once.
-            shared = ctx if ctx_feat is relay.features else None
-            vectors, valid = self.relay_vectors(target, relay, None, shared)
+            vectors, valid = self.relay_vectors(target, relay, None, projected)
             n = block_ids.shape[1]  # a shorter pass: slots past it relay nothing it could use
             vectors, valid = vectors[:, :n], valid[:, :n]
             if self.config.relay_input == "kv":
