@@ -5,10 +5,10 @@ allocation that outlives the call, so it runs as is (eager), under
 `torch.compile(fullgraph=True)`, or inside a captured CUDA graph. The only output the host
 needs is `state.out` (tokens emitted per row).
 
-Static-shape carry: the drafter appends all B features of the last verify at positions
-`ctx_start..ctx_start+B-1`. Those past the committed prefix sit at or beyond the new
-`start`, where the drafter's mask (positions < start) hides them until a later round
-overwrites them; the same holds for rejected keys/values in the target cache.
+Static-shape carry: the drafter appends the first W features of the last verify (W the widest
+verify width of the Runtime) at positions `ctx_start..ctx_start+W-1`. Those past the committed
+prefix sit at or beyond the new `start`, where the drafter's mask (positions < start) hides them
+until a later round overwrites them; the same holds for rejected keys/values in the target cache.
 
 The round is three phases so that a benchmark can time them apart (`dflow_rt.bench.runtime`);
 `decode_round` chains them. Everything fixed per Runtime (the fused ops of `dflow_rt.kernels`
