@@ -44,7 +44,7 @@ def draft(target, drafter, s: DecodeState, plan: RoundPlan, width: int | None = 
     block = torch.where(s.slots == 0, s.tokens[:, None], plan.filler)[:, :width]
     if drafter is None:
         return block
-    n = plan.context_width
+    n = max(plan.context_width, block.shape[1])  # a wider block than the plan's (width None) writes its own
     ctx_pos = s.ctx_start[:, None] + s.slots[:n]
     ctx = drafter.write_context(s.relay.features[:, :n], ctx_pos, s.draft_cache, None)
     if width == 1:
