@@ -22,7 +22,6 @@ class RoundPlan:
     rows: tuple[int, ...]  # batch buckets: a round runs the first `rows` rows of the state
     lengths: tuple[int, ...]  # length buckets: a round attends over the first `length` cache positions
     widths: dict[int, int]  # verify width per batch bucket
-    context_width: int  # relay rows a round writes to the drafter's context: the widest verify (`batched_round.draft`)
     sampling: bool  # rounds in which a row samples are built (RuntimeConfig.sampling); else only greedy ones
     ar_fallback: bool  # each bucket also has rounds at widths 1 (no draft pass) and ceil(k / 2): `round_widths`
     block_size: int  # B: 1 without a drafter
@@ -42,8 +41,7 @@ class RoundPlan:
         fallback = c.ar_fallback is True and drafter is not None and max(widths.values()) > 1 \
             and not hasattr(kernels.attention, "plan")  # FlashInfer plans per verify width
         return cls(mode=c.mode, compiler=c.compiler, freeze=c.freeze, rows=c.buckets(), lengths=lengths,
-                   widths=widths, context_width=max(widths.values()), sampling=c.sampling, ar_fallback=fallback,
-                   block_size=block_size,
+                   widths=widths, sampling=c.sampling, ar_fallback=fallback, block_size=block_size,
                    filler=drafter.config.mask_token_id if drafter is not None else 0,
                    exclude=excluded_token(drafter, c.emit_mask_token),
                    layer_ids=drafter.target_layer_ids if drafter is not None else (),
@@ -56,6 +54,12 @@ class RoundPlan:
         return {"mode": self.mode, "block_size": self.block_size, "context_width": self.context_width,
                 "filler": self.filler, "exclude": self.exclude, "layer_ids": self.layer_ids,
                 "kernels": dict(self.kernels.implementations)}
+
+    @property
+    def context_width(self) -> int:
+        """Relay rows a round writes to the drafter's context: the widest verify, which no round's
+        committed positions exceed (`batched_round.draft`)."""
+        return max(self.widths.values())
 
     def round_widths(self, rows: int) -> tuple[int, ...]:
         """The verify widths bucket `rows` has a round for: its own k, and with the fallback also 1 (a

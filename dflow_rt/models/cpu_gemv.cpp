@@ -213,10 +213,11 @@ at::Tensor coded_gemv(const at::Tensor& x, const at::Tensor& codes) {
   const float* xp = x.data_ptr<float>();
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
-  constexpr int half = kLanes == 16 ? kGroup : kGroup / 2;  // AVX-512's 32 registers hold 4 x 4 accumulators
+  // rows of w per 4-row tile: AVX-512's 32 vector registers hold 4 x 4 accumulators, AVX2's 16 hold 4 x 2
+  constexpr int span = kLanes == 16 ? kGroup : kGroup / 2;
   if (M == 1) coded_product<C, 1, kGroup>(xp, cp, yp, M, K, N);
   else if (M < 4) coded_product<C, 2, kGroup>(xp, cp, yp, M, K, N);
-  else coded_product<C, 4, half>(xp, cp, yp, M, K, N);
+  else coded_product<C, 4, span>(xp, cp, yp, M, K, N);
   return y;
 }
 
