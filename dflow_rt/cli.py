@@ -43,7 +43,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
     out = run_one(rt, ids, args.max_new_tokens, stop_token_ids(tokenizer))
     text = tokenizer.decode(out.token_ids, skip_special_tokens=True)
     stats = {"tau": round(out.tau, 4), "tokens_per_s": round(out.decode_tokens_per_s, 2),
-             "rounds": len(out.acceptance_lengths), "plain_steps": out.plain_steps}
+             "rounds": len(out.acceptance_lengths), "plain_steps": out.plain_steps,
+             "lookup_rounds": out.lookup_rounds, "lookup_tokens": out.lookup_tokens}
     if args.json:
         print(json.dumps({"text": text, "token_ids": out.token_ids, "prompt_ids": list(ids),
                           "acceptance_lengths": out.acceptance_lengths, **stats, "mode": rt.config.mode,
@@ -55,6 +56,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     else:
         print(text)
         plain = f" ({out.plain_steps} plain target steps: drafting did not pay)" if out.plain_steps else ""
+        plain += f" ({out.lookup_rounds} lookup rounds: {out.lookup_tokens} tokens)" if out.lookup_rounds else ""
         print(f"\ntau {stats['tau']:.2f} | decode {stats['tokens_per_s']:.1f} tokens/s | "
               f"{stats['rounds']} rounds{plain}",
               file=sys.stderr if args.quiet_stats else sys.stdout)
@@ -171,6 +173,9 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--ar-fallback", action=argparse.BooleanOptionalAction, default=None,
                    help="step the target alone while drafted rounds decode slower than that, as timed on the "
                         "running rounds; lossless either way [on on CPU unless --verify-width is given]")
+    g.add_argument("--lookup", action=argparse.BooleanOptionalAction, default=True,
+                   help="with the fallback, verify the text's own continuation where its last 3 tokens occurred "
+                        "before, while that decodes faster; lossless either way [on]")
     g.add_argument("--mode", choices=MODES, default=None,
                    help="eager starts at once; compile (torch.compile: minutes the first time, seconds from its "
                         "disk cache after) decodes faster; cudagraph needs CUDA [the tuned one, else compile on "

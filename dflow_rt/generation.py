@@ -55,4 +55,5 @@ def run_one(rt: Runtime, prompt_ids: Sequence[int] | torch.Tensor, max_new_token
     req = rt.pop(rid)
     if req.error is not None:
         raise RequestError(rid, req.error)
-    return GenerateOutput(req.emitted, req.acceptance, t1 - t0, t2 - t1, first, req.plain_steps)
+    return GenerateOutput(req.emitted, req.acceptance, t1 - t0, t2 - t1, first, req.plain_steps, req.lookup_rounds,
+                          req.lookup_tokens)

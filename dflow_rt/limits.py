@@ -81,6 +81,7 @@ FIELD_CHECKS: dict[str, Callable[[object, RuntimeConfig], object]] = {
     "freeze": lambda v, c: _flag("freeze", v),
     "ar_fallback": lambda v, c: v == AUTO or _flag("ar_fallback", v),
     "sampling": lambda v, c: _flag("sampling", v),
+    "lookup": lambda v, c: _flag("lookup", v),
 }
 
 

@@ -43,13 +43,16 @@ class GenerateOutput:
     decode_seconds: float = 0.0  # every later round
     first_step_tokens: int = 1  # tokens the first step emitted
     plain_steps: int = 0  # rounds without drafting (a Runtime's `ar_fallback`): a 1 each in acceptance_lengths
+    lookup_rounds: int = 0  # rounds that verified the text's own continuation (a Runtime's `lookup`)
+    lookup_tokens: int = 0  # what those emitted, within acceptance_lengths
 
     @property
     def tau(self) -> float:
-        """Mean acceptance length per drafted round, counting the bonus token (plain steps emit one
-        token each, so they are taken out by their count)."""
-        drafted = len(self.acceptance_lengths) - self.plain_steps
-        return (sum(self.acceptance_lengths) - self.plain_steps) / drafted if drafted > 0 else 1.0
+        """Mean acceptance length per round the drafter drafted, counting the bonus token (plain
+        steps and lookup rounds are taken out)."""
+        drafted = len(self.acceptance_lengths) - self.plain_steps - self.lookup_rounds
+        emitted = sum(self.acceptance_lengths) - self.plain_steps - self.lookup_tokens
+        return emitted / drafted if drafted > 0 else 1.0
 
     @property
     def decode_tokens_per_s(self) -> float:

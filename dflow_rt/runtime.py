@@ -30,6 +30,7 @@ from dflow_rt.graphs.plan import RoundPlan
 from dflow_rt.graphs.runner import build_rounds
 from dflow_rt.graphs.state import DecodeState
 from dflow_rt.limits import check_config, check_memory, rotary_growth
+from dflow_rt.lookup import NgramIndex
 from dflow_rt.requests import check_fits, check_int, check_sampling, cut_at_stop, prompt_tensor, stop_set
 from dflow_rt.sampling import sample, screen
 from dflow_rt.tuned import resolve
@@ -54,6 +55,9 @@ class Request:
     acceptance: list[int] = field(default_factory=list)  # tokens per round (accepted drafts + bonus)
     plain_steps: int = 0  # of those rounds, the ones in which the target stepped alone (`RuntimeConfig.ar_fallback`),
     #                       which emit one token each
+    lookup_rounds: int = 0  # and the ones that verified the text's own continuation (`RuntimeConfig.lookup`)
+    lookup_tokens: int = 0  # what those emitted
+    text: NgramIndex | None = None  # prompt and output, where lookup rounds find their drafts
     finished: bool = False
     error: str | None = None  # why the request failed, if it did (it is also finished)
     delivered: int = 0  # tokens of `emitted` that `stream` has yielded: the rest wait here for it
@@ -198,10 +202,14 @@ class Runtime:
         if not live:
             return {}
         n, length = self.bucket(max(r.row for r in live) + 1, max(r.position for r in live))
-        greedy = (n, length, True, self.plan.widths[n]) in self.rounds and all(r.temperature == 0 for r in live)
+        greedy = (n, length, True, self.plan.widths[n], False) in self.rounds and all(r.temperature == 0 for r in live)
         width = self.plan.widths[n] if self.fallback is None else self.fallback.width(n)
+        lookup = greedy and self.plan.lookup and self._write_lookup(live, self.plan.widths[n] - 1) \
+            and self.fallback.lookup(n, width)
+        if lookup:
+            width = self.plan.widths[n]
         t0 = time.perf_counter()
-        self.rounds[n, length, greedy, width]()
+        self.rounds[n, length, greedy, width, lookup]()
         out = self.state.out[:n].tolist()  # the one host read of the round; the last column flags faults
         seconds = time.perf_counter() - t0
         for row, values in enumerate(out):
@@ -218,16 +226,33 @@ class Runtime:
             req.position += new
             req.acceptance.append(new)
             req.plain_steps += width == 1
+            req.lookup_rounds += lookup
+            req.lookup_tokens += new if lookup else 0
             made.append(new)
             tokens, stopped = cut_at_stop(out[req.row][1:1 + count][: req.max_new_tokens - len(req.emitted)], req.stop)
             req.finished |= stopped
             req.emitted += tokens
+            if req.text is not None:
+                req.text.extend(tokens)
             result[req.rid] = tokens
             if req.finished or len(req.emitted) >= req.max_new_tokens:
                 self._finish(req)
         if self.fallback is not None and made:
-            self.fallback.record(n, width, seconds, made)
+            if lookup:
+                self.fallback.record_lookup(n, seconds, made)
+            else:
+                self.fallback.record(n, width, seconds, made)
         return result
+
+    def _write_lookup(self, live: list[Request], count: int) -> bool:
+        """Each live row's lookup drafts (`count` tokens, the mask token past what its text offers) to
+        the state; whether any row has one."""
+        found = False
+        for req in live:
+            drafts = req.text.drafts(count) if req.emitted else []  # the text ends at block slot 0 once reported
+            found |= bool(drafts)
+            self.state.lookup[req.row, :count] = torch.tensor(drafts + [self.plan.filler] * (count - len(drafts)))
+        return found
 
     def stream(self, prompt_ids, **kwargs) -> Iterator[list[int]]:
         """Tokens of one request as rounds produce them, every one of them: a round that another
@@ -295,6 +320,7 @@ class Runtime:
             req = self.waiting.popleft()
             req.row = heapq.heappop(self.free_rows)
             self.rows[req.row] = req
+            req.text = NgramIndex(req.prompt.tolist()) if self.plan.lookup else None
             admitted.append(req)
         by_length: dict[int, list[Request]] = {}
         for req in admitted:

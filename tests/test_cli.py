@@ -31,7 +31,9 @@ def test_generate_json_is_lossless_and_complete(demo_models, capsys):
     target = dflow_rt.load_target(target_dir)
     expected = dflow_rt.reference.generate(target, None, spec["prompt_ids"], max_new_tokens=24).token_ids
     assert spec["token_ids"] == expected
-    assert spec["tau"] == pytest.approx(sum(spec["acceptance_lengths"]) / len(spec["acceptance_lengths"]), abs=1e-3)
+    drafted = len(spec["acceptance_lengths"]) - spec["plain_steps"] - spec["lookup_rounds"]  # tau: drafted rounds
+    emitted = sum(spec["acceptance_lengths"]) - spec["plain_steps"] - spec["lookup_tokens"]
+    assert drafted > 0 and spec["tau"] == pytest.approx(emitted / drafted, abs=1e-3)
 
 
 def test_generate_verify_width(capsys):

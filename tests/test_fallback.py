@@ -100,9 +100,10 @@ def test_a_wider_width_is_taken_up_at_the_next_probe_when_the_text_gets_easier()
 
 def _fallback_runtime(target, drafter, schedule, **settings) -> Runtime:
     """A Runtime with the fallback whose width follows `schedule(round, widths)` instead of timings
-    (`widths`: the bucket's, ascending: 1, half the block rounded up, the block)."""
+    (`widths`: the bucket's, ascending: 1, half the block rounded up, the block); width 1 a plain step
+    unless `lookup=True` is among `settings` (`tests/test_lookup.py`)."""
     rt = Runtime(target, drafter, RuntimeConfig(max_batch=2, max_len=160, mode="eager", verify_width=None,
-                                                ar_fallback=True, **settings))
+                                                ar_fallback=True, **{"lookup": False, **settings}))
     rounds = iter(range(10**6))
     rt.fallback.width = lambda rows: schedule(next(rounds), rt.plan.round_widths(rows))
     return rt

@@ -25,10 +25,12 @@ from dflow_rt.kernels.commit import commit_torch
 from dflow_rt.sampling import sample, screen, uniform
 
 
-def draft(target, drafter, s: DecodeState, plan: RoundPlan, width: int | None = None) -> torch.Tensor:
+def draft(target, drafter, s: DecodeState, plan: RoundPlan, width: int | None = None,
+          lookup: bool = False) -> torch.Tensor:
     """Block ids [rows, width] (default width B): the last token, then the drafter's proposals (or
     masks without one). At width 1, a plain target step, the drafter only writes the last verify's
-    features to its context (`dflow_rt.fallback`).
+    features to its context (`dflow_rt.fallback`); so it does in a `lookup` round, whose drafts the
+    host wrote to `s.lookup` (the text's own continuation, `dflow_rt.lookup`).
 
     The context write covers the relay buffer's first `plan.context_width` rows, the widest verify
     of this Runtime: a verify at width k commits at most k positions, and the rows past them are
@@ -42,12 +44,14 @@ def draft(target, drafter, s: DecodeState, plan: RoundPlan, width: int | None = 
     attention, change a little (tau 1-3 % lower; docs/experiments.md, "The draft pass cut to the
     verified positions"). `dflow_rt.reference` drafts the same way."""
     block = torch.where(s.slots == 0, s.tokens[:, None], plan.filler)[:, :width]
+    if lookup:
+        block = torch.cat([block[:, :1], s.lookup[:, :block.shape[1] - 1]], dim=1)
     if drafter is None:
         return block
     n = max(plan.context_width, block.shape[1])  # a wider block than the plan's (width None) writes its own
     ctx_pos = s.ctx_start[:, None] + s.slots[:n]
     ctx = drafter.write_context(s.relay.features[:, :n], ctx_pos, s.draft_cache, None)
-    if width == 1:
+    if width == 1 or lookup:
         return block
     pos = s.start[:, None] + s.slots[:block.shape[1]]
     drafts = drafter.propose(target, block, pos, cache=s.draft_cache, relay=s.relay, projected=ctx,
@@ -108,9 +112,9 @@ def commit(s: DecodeState, block: torch.Tensor, verified: torch.Tensor, features
 
 
 def decode_round(target, drafter, state: DecodeState, plan: RoundPlan, width: int | None = None,
-                 greedy: bool = False) -> None:
+                 greedy: bool = False, lookup: bool = False) -> None:
     """One round; the target verifies the first `width` drafted positions (default all); `greedy`
-    when no live row samples."""
-    block = draft(target, drafter, state, plan, width)
+    when no live row samples; `lookup`: the drafts are the host's (`draft`)."""
+    block = draft(target, drafter, state, plan, width, lookup)
     verified, features = verify(target, state, block, plan, greedy)
     commit(state, block, verified, features, plan)

@@ -24,6 +24,7 @@ class RoundPlan:
     widths: dict[int, int]  # verify width per batch bucket
     sampling: bool  # rounds in which a row samples are built (RuntimeConfig.sampling); else only greedy ones
     ar_fallback: bool  # each bucket also has rounds at widths 1 (no draft pass) and ceil(k / 2): `round_widths`
+    lookup: bool  # with the fallback, each bucket also has a greedy round at k from the host's drafts (`graphs`)
     block_size: int  # B: 1 without a drafter
     filler: int  # block slots 1.. before drafting: the drafter's mask token (0 without a drafter)
     exclude: int | None  # the token no choice may be (`sampling.excluded_token`)
@@ -41,7 +42,8 @@ class RoundPlan:
         fallback = c.ar_fallback is True and drafter is not None and max(widths.values()) > 1 \
             and not hasattr(kernels.attention, "plan")  # FlashInfer plans per verify width
         return cls(mode=c.mode, compiler=c.compiler, freeze=c.freeze, rows=c.buckets(), lengths=lengths,
-                   widths=widths, sampling=c.sampling, ar_fallback=fallback, block_size=block_size,
+                   widths=widths, sampling=c.sampling, ar_fallback=fallback, lookup=fallback and c.lookup,
+                   block_size=block_size,
                    filler=drafter.config.mask_token_id if drafter is not None else 0,
                    exclude=excluded_token(drafter, c.emit_mask_token),
                    layer_ids=drafter.target_layer_ids if drafter is not None else (),
@@ -66,3 +68,10 @@ class RoundPlan:
         plain step) and ceil(k / 2), among which `dflow_rt.fallback` chooses per round."""
         k = self.widths[rows]
         return tuple(sorted({1, (k + 1) // 2, k})) if self.ar_fallback else (k,)
+
+    def graphs(self, variants: tuple[bool, ...]) -> list[tuple[int, bool, int, bool]]:
+        """(rows, greedy, width, lookup) of every round graph, for the greedy `variants` built: each
+        bucket's `round_widths` in each variant, and with `lookup` a greedy round at the bucket's k
+        whose drafts the host writes (`dflow_rt.lookup`; sampled text repeats itself less)."""
+        drafted = [(n, g, k, False) for n in self.rows for g in variants for k in self.round_widths(n)]
+        return drafted + [(n, True, self.widths[n], True) for n in self.rows if self.lookup and True in variants]

@@ -16,16 +16,17 @@ from dflow_rt.graphs.state import DecodeState
 from dflow_rt.models import cpu_gemv
 
 log = logging.getLogger("dflow_rt")
-Bucket = tuple[int, int, bool, int]  # (rows, cache length, greedy: no live row samples, verify width)
+Bucket = tuple[int, int, bool, int, bool]  # (rows, cache length, greedy: no live row samples, verify width, lookup)
 
 
 def build_rounds(target, drafter, state: DecodeState, plan: RoundPlan,
                  before: Callable[[int, int], None] | None = None,
                  cache: compile_cache.Entry | None = None) -> dict[Bucket, Callable[[], None]]:
-    """One zero-argument callable per (rows, length, greedy, width) bucket of `plan`, running the
-    round on rows [0, rows) over cache positions [0, length), verifying the first `width` drafted
+    """One zero-argument callable per (rows, length, greedy, width, lookup) bucket of `plan`, running
+    the round on rows [0, rows) over cache positions [0, length), verifying the first `width` drafted
     positions (`plan.round_widths(rows)`); the greedy variant (for rounds in which no row samples)
-    skips the sampler (`batched_round.verify`). `before(rows, length)`, when given, runs on the host
+    skips the sampler (`batched_round.verify`); a lookup round verifies the host's drafts instead
+    of the drafter's (`plan.graphs`). `before(rows, length)`, when given, runs on the host
     before every run of a bucket (FlashInfer's planning), outside any captured graph or compiled code.
 
     Compiled rounds are one graph per row count, variant and width with the cache length symbolic
@@ -34,14 +35,14 @@ def build_rounds(target, drafter, state: DecodeState, plan: RoundPlan,
     lengths in between). Weights are graph inputs, not constants, unless `plan.freeze` (`compiling`).
     """
     views = {(n, L): state.view(n, L) for n in plan.rows for L in plan.lengths}
-    graphs = {(n, g, k): functools.partial(decode_round, target, drafter, plan=plan, width=k, greedy=g)
-              for n in plan.rows for g in greedy_variants(plan.mode, plan.sampling) for k in plan.round_widths(n)}
+    graphs = {(n, g, k, lu): functools.partial(decode_round, target, drafter, plan=plan, width=k, greedy=g, lookup=lu)
+              for n, g, k, lu in plan.graphs(greedy_variants(plan.mode, plan.sampling))}
     if plan.mode != "eager":
         cpu_gemv.enabled()  # built or loaded now: a trace never builds it
         with compiling(plan.compiler, state.tokens.device, plan.freeze):
             graphs = compiled_graphs(target, drafter, state, plan, views, list(graphs), cache)
-    rounds = {(n, L, g, k): functools.partial(graphs[n, g, k], view)
-              for (n, L), view in views.items() for m, g, k in graphs if m == n}
+    rounds = {(n, L, *key[1:]): functools.partial(graphs[key], view)
+              for (n, L), view in views.items() for key in graphs if key[0] == n}
     if before is not None:  # each bucket planned before its first run (compiling or capturing)
         for n, L, *_ in rounds:
             before(n, L)
@@ -57,7 +58,7 @@ def build_rounds(target, drafter, state: DecodeState, plan: RoundPlan,
     return {key: functools.partial(_planned, before, key[:2], run) for key, run in rounds.items()}
 
 
-Graph = tuple[int, bool, int]  # (rows, greedy, verify width)
+Graph = tuple[int, bool, int, bool]  # (rows, greedy, verify width, lookup)
 
 
 def compiled_graphs(target, drafter, state: DecodeState, plan: RoundPlan, views: dict[tuple[int, int], DecodeState],
@@ -71,20 +72,21 @@ def compiled_graphs(target, drafter, state: DecodeState, plan: RoundPlan, views:
     if cache is not None:
         models = (target, drafter)
         external = {name: m for name, m in (("target", target), ("drafter", drafter)) if m is not None}
-        for n, g, k in graphs:
-            kwargs = {"plan": plan, "width": k, "greedy": g}
-            fn = _cached_graph(cache, f"rows{n}-width{k}-{'greedy' if g else 'sampling'}", models, kwargs,
+        for n, g, k, lu in graphs:
+            kwargs = {"plan": plan, "width": k, "greedy": g, "lookup": lu}
+            name = f"rows{n}-width{k}-{'greedy' if g else 'sampling'}{'-lookup' if lu else ''}"
+            fn = _cached_graph(cache, name, models, kwargs,
                                state.view(n, plan.lengths[0]), views[n, plan.lengths[0]], views[n, plan.lengths[-1]],
                                external=external)
             if fn is None:
                 break
-            found[n, g, k] = functools.partial(fn, target, drafter, **kwargs)
+            found[n, g, k, lu] = functools.partial(fn, target, drafter, **kwargs)
         else:
             return found
     for view in views.values():  # the length as a symbol: one graph per row count, variant and width
         mark_length_dynamic(view)
     lazy = _lazy_round(target, drafter, plan, len(graphs))
-    return {(n, g, k): functools.partial(lazy, width=k, greedy=g) for n, g, k in graphs}
+    return {(n, g, k, lu): functools.partial(lazy, width=k, greedy=g, lookup=lu) for n, g, k, lu in graphs}
 
 
 def _cached_graph(cache: compile_cache.Entry, name: str, models: tuple, kwargs: dict, example: DecodeState,

@@ -27,6 +27,7 @@ class DecodeState:
     seed: torch.Tensor         # [rows] long
     faulted: torch.Tensor      # [rows] bool: a NaN/inf logit since the row was last cleaned
     out: torch.Tensor          # [rows, B + 3] long: count, the tokens emitted this round, then `faulted`
+    lookup: torch.Tensor       # [rows, B - 1] long: a lookup round's drafts, written by the host (`dflow_rt.lookup`)
     slots: torch.Tensor        # [B] arange, kept to avoid a per-round allocation
     target_cache: KVCache
     draft_cache: KVCache | None
@@ -43,7 +44,7 @@ class DecodeState:
             tokens=zeros(rows), start=zeros(rows), ctx_start=zeros(rows), fresh=zeros(rows, dtype=torch.bool),
             active=zeros(rows, dtype=torch.bool), temperature=zeros(rows, dtype=torch.float32), top_k=zeros(rows),
             top_p=torch.ones(rows, device=dev), seed=zeros(rows), faulted=zeros(rows, dtype=torch.bool),
-            out=zeros(rows, block_size + 3),
+            out=zeros(rows, block_size + 3), lookup=zeros(rows, block_size - 1),
             slots=torch.arange(block_size, device=dev), target_cache=target.new_cache(rows, max_len),
             draft_cache=drafter.new_cache(rows, max_len) if drafter is not None else None,
             relay=drafter.new_relay_buffer(rows, block_size) if drafter is not None else None,
