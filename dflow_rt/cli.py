@@ -49,6 +49,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
         print(json.dumps({"text": text, "token_ids": out.token_ids, "prompt_ids": list(ids),
                           "acceptance_lengths": out.acceptance_lengths, **stats, "mode": rt.config.mode,
                           "verify_width": rt.config.verify_width, "ar_fallback": rt.plan.ar_fallback,
+                          "lookup": rt.plan.lookup,
                           "threads": torch.get_num_threads(),
                           "dtype": str(target.lm_head.weight.dtype).removeprefix("torch."),
                           "setup_s": round(setup_s, 4), "first_step_s": round(out.first_step_seconds, 4),

@@ -72,6 +72,10 @@ def test_generate_takes_the_autotune_knobs_and_flags_win(capsys, tmp_path, monke
     assert default["ar_fallback"] and default["rounds"] == len(default["acceptance_lengths"]) >= default["plain_steps"]
     plain, _ = generate("--no-ar-fallback")
     assert plain["token_ids"] == default["token_ids"] and not plain["ar_fallback"] and plain["plain_steps"] == 0
+    assert default["lookup"] and not plain["lookup"] and plain["lookup_rounds"] == 0  # lookup rounds: with the fallback
+    unlooked, _ = generate("--no-lookup")
+    assert unlooked["token_ids"] == default["token_ids"] and unlooked["ar_fallback"] and not unlooked["lookup"]
+    assert unlooked["lookup_rounds"] == 0
 
     def write(dtype: str) -> None:
         knobs = {"threads": 1, "mode": "eager", "length_step": None, "buckets": {"1": {"verify_width": 3}}}

@@ -35,6 +35,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--block-size", type=int, default=None, help="default: the drafter's block size")
     s.add_argument("--verify-width", type=int, default=None, metavar="K", help="as for generate")
     s.add_argument("--ar-fallback", action=argparse.BooleanOptionalAction, default=None, help="as for generate")
+    s.add_argument("--lookup", action=argparse.BooleanOptionalAction, default=True, help="as for generate [on]")
     s.add_argument("--mode", choices=MODES, default=None, help="as for generate [the tuned one, else per device]")
     s.add_argument("--dtype", choices=DTYPES, default=None, help="as for generate")
     add_tuned_args(s)
