@@ -245,14 +245,15 @@ class Runtime:
         return result
 
     def _write_lookup(self, live: list[Request], count: int) -> bool:
-        """Each live row's lookup drafts (`count` tokens, the mask token past what its text offers) to
-        the state; whether any row has one."""
-        found = False
-        for req in live:
-            drafts = req.text.drafts(count) if req.emitted else []  # the text ends at block slot 0 once reported
-            found |= bool(drafts)
-            self.state.lookup[req.row, :count] = torch.tensor(drafts + [self.plan.filler] * (count - len(drafts)))
-        return found
+        """Whether a live row has lookup drafts; if one does, every live row's (`count` tokens, the
+        mask token past what its text offers) written to the state in one copy."""
+        # a row's text ends at its block slot 0 once the first round has reported that token
+        drafts = [req.text.drafts(count) if req.emitted else [] for req in live]
+        if not any(drafts):
+            return False
+        padded = [d + [self.plan.filler] * (count - len(d)) for d in drafts]
+        self.state.lookup[[req.row for req in live], :count] = torch.tensor(padded, device=self.state.lookup.device)
+        return True
 
     def stream(self, prompt_ids, **kwargs) -> Iterator[list[int]]:
         """Tokens of one request as rounds produce them, every one of them: a round that another
