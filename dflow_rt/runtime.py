@@ -204,10 +204,11 @@ class Runtime:
         n, length = self.bucket(max(r.row for r in live) + 1, max(r.position for r in live))
         greedy = (n, length, True, self.plan.widths[n], False) in self.rounds and all(r.temperature == 0 for r in live)
         width = self.plan.widths[n] if self.fallback is None else self.fallback.width(n)
-        lookup = greedy and self.plan.lookup and self._write_lookup(live, self.plan.widths[n] - 1) \
-            and self.fallback.lookup(n, width)
+        drafts = self._lookup_drafts(live, self.plan.widths[n] - 1) if greedy and self.plan.lookup else None
+        lookup = drafts is not None and self.fallback.lookup(n, width)
         if lookup:
             width = self.plan.widths[n]
+            self.state.lookup[[req.row for req in live], :width - 1] = drafts
         t0 = time.perf_counter()
         self.rounds[n, length, greedy, width, lookup]()
         out = self.state.out[:n].tolist()  # the one host read of the round; the last column flags faults
@@ -244,16 +245,15 @@ class Runtime:
                 self.fallback.record(n, width, seconds, made)
         return result
 
-    def _write_lookup(self, live: list[Request], count: int) -> bool:
-        """Whether a live row has lookup drafts; if one does, every live row's (`count` tokens, the
-        mask token past what its text offers) written to the state in one copy."""
+    def _lookup_drafts(self, live: list[Request], count: int) -> torch.Tensor | None:
+        """Each live row's lookup drafts, `count` tokens (the mask token past what its text offers),
+        or None when no row has any."""
         # a row's text ends at its block slot 0 once the first round has reported that token
         drafts = [req.text.drafts(count) if req.emitted else [] for req in live]
         if not any(drafts):
-            return False
+            return None
         padded = [d + [self.plan.filler] * (count - len(d)) for d in drafts]
-        self.state.lookup[[req.row for req in live], :count] = torch.tensor(padded, device=self.state.lookup.device)
-        return True
+        return torch.tensor(padded, device=self.state.lookup.device)
 
     def stream(self, prompt_ids, **kwargs) -> Iterator[list[int]]:
         """Tokens of one request as rounds produce them, every one of them: a round that another
