@@ -2,17 +2,17 @@
 the tokens that followed them then are a draft of what follows now.
 
 Code repeats its own names and lines; a drafter trained on little data does not. A round that
-verifies such drafts costs no draft pass, only the wider verify, so the Runtime runs one in place
-of a plain step whenever a row's text offers a continuation (`Runtime._step`). Like every round it
-is lossless: the target checks each draft. The index is host-side: one dict per request, updated
-with the tokens each round emits.
+verifies such drafts costs no draft pass, only the wider verify; where a row's text offers a
+continuation, the Runtime runs one while such rounds decode faster than the width the fallback chose
+(`Runtime._step`, `ArFallback.lookup`). Like every round it is lossless: the target checks each
+draft. The index is host-side: one dict per request, updated with the tokens each round emits.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-N = 3  # tokens matched: 2 matched more often and drafted worse on HumanEval, 4 matched too rarely
+N = 3  # tokens matched: 2 matched more often and drafted worse on HumanEval, 4 too rarely on math and chat
 
 
 class NgramIndex:
