@@ -96,11 +96,17 @@ def test_lookup_rounds_are_greedy_only_and_off_on_request(reference_pair):
     rt = Runtime(target, drafter, RuntimeConfig(**settings))
     lookups = [key for key in rt.rounds if key[4]]
     assert lookups and all(key[2] and key[3] == rt.plan.widths[key[0]] for key in lookups)
-    rid = rt.add_request(CASES[0]["prompt_ids"] * 2, max_new_tokens=30, temperature=0.8, seed=3)
+    prompt = repeating_prompts(target, drafter)[0]
     rt.fallback.width = lambda rows: 1
-    while not rt.is_finished(rid):
-        rt.step()
-    assert rt.pop(rid).lookup_rounds == 0  # a sampling row: plain steps
+
+    def run(**sampling):
+        rid = rt.add_request(prompt, max_new_tokens=30, **sampling)
+        while not rt.is_finished(rid):
+            rt.step()
+        return rt.pop(rid)
+
+    assert run().lookup_rounds > 0  # greedy: the text offers drafts
+    assert run(temperature=0.8, seed=3).lookup_rounds == 0  # a sampling row: plain steps
     off = Runtime(target, drafter, RuntimeConfig(**settings, lookup=False))
     assert not off.plan.lookup and not any(key[4] for key in off.rounds)
 
