@@ -60,9 +60,10 @@ class RuntimeConfig:
     acceptance. `auto`: DEVICE_DEFAULTS (on
     for CPU) where verify_width is `auto` too, else off (a width given is a width kept). Never with
     FlashInfer attention, whose host-side plan is made per verify width.
-    lookup: with ar_fallback, a round that would be a plain step verifies the text's own continuation
-    instead where the row's last 3 tokens occurred before in its prompt or output (`dflow_rt.lookup`):
-    no draft pass, a round at k, one graph more per batch bucket. Greedy rounds only.
+    lookup: with ar_fallback, where a row's last 3 tokens occurred before in its prompt or output, a
+    round may verify what followed them then (`dflow_rt.lookup`): no draft pass, a round at k, run
+    while such rounds decode faster than the width the fallback chose (`ArFallback.lookup`); one
+    graph more per batch bucket. Greedy rounds only.
     compile_cache: `compile` and `cudagraph` rounds are kept on disk (`dflow_rt.graphs.compile_cache`)
     and a later Runtime of the same shapes starts from them in seconds; False compiles afresh.
     sampling: False builds only the rounds in which no request samples (greedy), half the graphs

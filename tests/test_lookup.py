@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 import dflow_rt
 from dflow_rt.config import RuntimeConfig
-from dflow_rt.fallback import LOOKUP_RETRY, PROBE, ArFallback
+from dflow_rt.fallback import LOOKUP_RETRY, PROBE, WINDOW, ArFallback
 from dflow_rt.lookup import N, NgramIndex
 from dflow_rt.runtime import Runtime
 from tests.helpers import fixed, random_relay
@@ -119,10 +119,10 @@ def test_lookup_rounds_run_while_their_rate_beats_the_width_they_replace():
     for _ in range(PROBE):
         fallback.record_lookup(1, 0.020, [3])  # 150 tokens/s
     assert all(fallback.lookup(1, 1) for _ in range(3 * LOOKUP_RETRY))
-    for _ in range(32):
+    for _ in range(WINDOW):  # the whole window of lookup timings
         fallback.record_lookup(1, 0.020, [1.5])  # 75 tokens/s: plain steps win
     chances = [fallback.lookup(1, 1) for _ in range(3 * LOOKUP_RETRY)]
     assert [i for i, c in enumerate(chances) if c] == [LOOKUP_RETRY - 1, 2 * LOOKUP_RETRY - 1, 3 * LOOKUP_RETRY - 1]
-    for _ in range(32):
+    for _ in range(WINDOW):
         fallback.record_lookup(1, 0.010, [1.5])  # 150 tokens/s again
     assert fallback.lookup(1, 1) and fallback.lookup(1, 2)  # faster than plain steps; width 2 not timed yet
