@@ -293,6 +293,20 @@ def test_regen_writes_target_greedy_continuations_of_training_prompts(tiny_dir, 
     later = sequences.load_sequences(tail)
     assert [later[i].tolist() for i in range(8)] == [seqs[i].tolist() for i in range(16, 24)]
     assert later.meta["first_prompt"] == 16 and "first_prompt" not in seqs.meta
+    # Ranges regenerated apart and joined in order are the single run; out of order or with a gap, refused.
+    head = tmp_path / "head.safetensors"
+    regen.regenerate(tiny_dir, head, regen.RegenSettings(prompts=16, max_new_tokens=56, batch=8, max_prompt_tokens=40))
+    assert run_cli(["join", str(head), str(tail), "--out", str(tmp_path / "joined.safetensors")]) == 0
+    joined = sequences.load_sequences(tmp_path / "joined.safetensors")
+    for key in ("tokens", "offsets", "prompt_lens", "kinds"):
+        assert torch.equal(getattr(joined, key), getattr(seqs, key)), key
+    def setting(meta):
+        return {k: v for k, v in meta.items() if k != "target"}
+    assert setting(joined.meta) == setting(seqs.meta)
+    with pytest.raises(InputError, match="starts at prompt 0, expected 24"):
+        regen.join_regen([tail, head], tmp_path / "bad.safetensors")
+    with pytest.raises(InputError, match="expected 16"):
+        regen.join_regen([head, head], tmp_path / "bad.safetensors")
     with pytest.raises(InputError, match="first-prompt"):
         regen.regenerate(tiny_dir, tmp_path / "bad.safetensors", regen.RegenSettings(prompts=2, first_prompt=-1))
 

@@ -121,6 +121,13 @@ def _regen_parser(p: argparse.ArgumentParser) -> None:
     p.set_defaults(run=cmd_regen)
 
 
+def cmd_join(args: argparse.Namespace) -> None:
+    from dflow_rt.train.regen import join_regen
+
+    out = join_regen(args.parts, args.out)
+    print(f"wrote {out}: {len(args.parts)} parts joined")
+
+
 def cmd_label(args: argparse.Namespace) -> None:
     from dflow_rt.models.bundled import target_dir
     from dflow_rt.train.label import LabelText, label
@@ -276,7 +283,7 @@ def _drafter_parser(p: argparse.ArgumentParser, dflow: bool) -> None:
 
 
 def add_train_parser(subparsers) -> argparse.ArgumentParser:
-    """Register `train` (sub-commands `tokenizer`, `target`, `regen`, `label`, `features`, `dflash`, `dflow`,
+    """Register `train` (sub-commands `tokenizer`, `target`, `regen`, `join`, `label`, `features`, `dflash`, `dflow`,
     `draft-vocab`) on the main CLI."""
     train = subparsers.add_parser("train", help="train the tokenizer, the target and drafters")
     sub = train.add_subparsers(dest="train_command", required=True)
@@ -287,6 +294,10 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     tok.set_defaults(run=cmd_tokenizer)
     _target_parser(sub.add_parser("target", help="pretrain the target from scratch (DDP under torchrun)"))
     _regen_parser(sub.add_parser("regen", help="drafter training data: the target's greedy continuations"))
+    join = sub.add_parser("join", help="join regen files of consecutive --first-prompt ranges into one")
+    join.add_argument("parts", nargs="+", help="regen files, in prompt order")
+    join.add_argument("--out", required=True, help="output .safetensors file")
+    join.set_defaults(run=cmd_join)
     _label_parser(sub.add_parser("label", help="drafter training data at prefill speed: text labelled with the "
                                  "target's argmax in one pass, with its features"))
     _features_parser(sub.add_parser("features", help="cache the target's conditioning features of regen data"))

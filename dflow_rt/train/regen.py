@@ -113,3 +113,37 @@ def regenerate(target_dir: str | Path, out: str | Path, settings: RegenSettings 
     save_sequences(out, seqs, plens, kinds, meta)
     partial.unlink(missing_ok=True)
     return out
+
+
+def join_regen(parts: list[str | Path], out: str | Path) -> Path:
+    """Write `out` as one regen run over the prompt ranges of `parts`, which must be consecutive
+    `--first-prompt` ranges of one setting and target (the way to regenerate on several processes)."""
+    files = [load_sequences(p) for p in parts]
+    if not files:
+        raise InputError("nothing to join")
+    first = files[0].meta
+    start = first.get("first_prompt", 0)
+
+    def setting(meta: dict) -> dict:
+        return {k: v for k, v in meta.items() if k not in ("target", "prompts", "first_prompt")}
+
+    nxt = start
+    for path, f in zip(parts, files, strict=True):
+        if setting(f.meta) != setting(first):
+            raise InputError(f"{path}: regenerated with other settings or another target than {parts[0]}")
+        if f.meta.get("first_prompt", 0) != nxt:
+            raise InputError(f"{path}: starts at prompt {f.meta.get('first_prompt', 0)}, expected {nxt} "
+                             "(give the parts in order, with no gap)")
+        if len(f) != f.meta["prompts"]:
+            raise InputError(f"{path}: holds {len(f)} of its {f.meta['prompts']} prompts")
+        nxt += len(f)
+    meta = {**first, "prompts": nxt - start}
+    if not start:
+        meta.pop("first_prompt", None)
+    seqs = [f[i].tolist() for f in files for i in range(len(f))]
+    plens = [n for f in files for n in f.prompt_lens.tolist()]
+    kinds = [k for f in files for k in f.kinds.tolist()]
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    save_sequences(out, seqs, plens, kinds, meta)
+    return out
