@@ -1,11 +1,13 @@
 """The fallback's choice of verify width on simulated noisy rounds, against every fixed width.
 
 Each case is a drafter and round costs: a round drafts a block whose drafts are each accepted with
-probability p once the ones before them were (the text can change p halfway), so a round at width w
-emits 1 plus the accepted drafts among its first w - 1, and costs `cost[w]` plain steps (width 1 is
-the target stepping alone); every round's time has lognormal jitter and a few rounds take twice as
-long, as on a shared CPU. The policy (`dflow_rt.fallback.ArFallback`, or any file defining one, given
-with --baseline for a side-by-side) sees only those timings and token counts, as in the Runtime.
+probability p once the ones before them were, so a round at width w emits 1 plus the accepted drafts
+among its first w - 1, and costs `cost[w]` plain steps (width 1 is the target stepping alone). A
+case's rounds fall into equal stretches of text, one p each; in the "requests" cases each stretch is
+a new request, which the policy hears of through `admitted` where it has that method, as from the
+Runtime. Every round's time has lognormal jitter and a few rounds take twice as long, as on a shared
+CPU. The policy (`dflow_rt.fallback.ArFallback`, or any file defining one, given with --baseline for
+a side-by-side) sees only those timings and token counts, as in the Runtime.
 Figures are simulated tokens/s, means over seeds; "best" is the best fixed width.
 
     python bench/fallback_sim.py [--baseline OLD_FALLBACK.py] [--seeds 6] [--rounds 4000]
@@ -25,7 +27,7 @@ PLAIN_S = 0.025  # a plain step's time; only ratios matter
 K2 = {1: 1.0, 2: 1.24}  # round cost in plain steps per width: compiled SmolLM2 rounds on a 2-core AVX2 CPU
 K4 = {1: 1.0, 2: 1.24, 4: 1.38}
 AVX2 = {1: 1.0, 2: 1.37, 4: 1.82}  # the same with exact codes and 4-row tiles on a Zen 2 EPYC (docs/RESULTS.md)
-# name, cost per width (the widths the bucket has), acceptance p (first half, second half)
+# name, cost per width (the widths the bucket has), acceptance p of each equal stretch of text
 CASES = [("k = 2, drafting pays 9 %", {1: 1.0, 2: 1.2}, (0.31, 0.31)),
          ("k = 2, drafting pays 21 %", K2, (0.5, 0.5)),
          ("k = 2, drafting loses 7 %", K2, (0.15, 0.15)),
@@ -40,17 +42,27 @@ CASES = [("k = 2, drafting pays 9 %", {1: 1.0, 2: 1.2}, (0.31, 0.31)),
          ("k = 4, AVX2 code costs, p 0.3 (1 best)", AVX2, (0.3, 0.3)),
          ("k = 4, AVX2 code costs, p 0.45 (2 best by 4 %)", AVX2, (0.45, 0.45)),
          ("k = 4, AVX2 code costs, p 0.6 (4 best)", AVX2, (0.6, 0.6))]
+ZEN4 = {1: 1.0, 2: 1.3, 4: 2.0}  # exact codes on a Zen 4 EPYC, 2 threads (docs/RESULTS.md)
+# requests: one stretch each; the first long one where drafting loses, then short ones where it pays, ...
+REQUEST_CASES = [("requests: 1 losing (p 0.05) x 8 long, then 16 paying (p 0.6)", ZEN4, (0.05,) * 8 + (0.6,) * 16),
+                 ("requests: losing (p 0.1) and paying (p 0.6) alternate", ZEN4, (0.1, 0.6) * 12),
+                 ("requests: all losing (p 0.1)", ZEN4, (0.1,) * 24),
+                 ("requests: all losing (p 0.2)", ZEN4, (0.2,) * 24),
+                 ("requests: all paying (p 0.6)", ZEN4, (0.6,) * 24)]
 
 
-def simulate(policy, cost: dict[int, float], accept: tuple[float, float], rounds: int, seed: int,
-             jitter: float = 0.08, slow: float = 0.02) -> float:
+def simulate(policy, cost: dict[int, float], accept: tuple[float, ...], rounds: int, seed: int,
+             jitter: float = 0.08, slow: float = 0.02, requests: bool = False) -> float:
     """Tokens/s of `policy` (an int: that width every round) over `rounds` simulated rounds."""
     rnd, widest = random.Random(seed), max(cost)
     seconds = tokens = 0.0
     for i in range(rounds):
+        stretch = i * len(accept) // rounds
+        if requests and i and stretch != (i - 1) * len(accept) // rounds and hasattr(policy, "admitted"):
+            policy.admitted()
         w = policy if isinstance(policy, int) else policy.width(1)
         s = PLAIN_S * cost[w] * rnd.lognormvariate(0, jitter) * (2.0 if rnd.random() < slow else 1.0)
-        p = accept[0] if i < rounds // 2 else accept[1]
+        p = accept[stretch]
         accepted = 0
         while accepted < widest - 1 and rnd.random() < p:  # the same block whatever the width
             accepted += 1
@@ -77,9 +89,10 @@ def main() -> None:
     policies = {"policy": ArFallback, **({"baseline": load_baseline(args.baseline)} if args.baseline else {})}
     print("| case | fixed widths | " + " | ".join(policies) + " | policy / best |")
     print("|---|---|" + "---|" * len(policies) + "---|")
-    for name, cost, accept in CASES:
-        def mean(make, cost=cost, accept=accept):
-            return statistics.mean(simulate(make(), cost, accept, args.rounds, seed) for seed in range(args.seeds))
+    for name, cost, accept, requests in [(*c, False) for c in CASES] + [(*c, True) for c in REQUEST_CASES]:
+        def mean(make, cost=cost, accept=accept, requests=requests):
+            return statistics.mean(simulate(make(), cost, accept, args.rounds, seed, requests=requests)
+                                   for seed in range(args.seeds))
         fixed = {w: mean(lambda w=w: w) for w in cost}
         rates = {label: mean(lambda cls=cls, cost=cost: cls({1: tuple(cost)})) for label, cls in policies.items()}
         widths = ", ".join(f"{w}: {r:.1f}" for w, r in fixed.items())
