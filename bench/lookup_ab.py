@@ -6,7 +6,9 @@ First, from our AR's own greedy output, how often the last n tokens occurred bef
 continuation then would have emitted in a round at width 4 (the lookup's match length n).
 
     python bench/lookup_ab.py --suites code chat math --prompts 12 --max-new-tokens 96 --reps 2 --threads 2 \
-        [--verify-widths 2 4]
+        [--verify-widths 2 4] [--drafter dflash DIR --lookup on]
+
+With several drafters, each one's Runtimes join the interleaving (the defaults of two drafters, paired).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import argparse
 import statistics
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import torch
 from round_cost import SIZES  # bench/ is on the path when run as a script
@@ -22,7 +25,8 @@ from round_cost import SIZES  # bench/ is on the path when run as a script
 from dflow_rt.config import RuntimeConfig
 from dflow_rt.data.prompts import suite_prompts
 from dflow_rt.lookup import NgramIndex
-from dflow_rt.models.bundled import load_models
+from dflow_rt.models.bundled import drafter_dir, load_models
+from dflow_rt.models.checkpoint import load_drafter
 from dflow_rt.runtime import Runtime
 
 
@@ -59,7 +63,8 @@ def matches(prompt: list[int], output: list[int], n: int, width: int) -> tuple[f
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", default="smollm2")
-    p.add_argument("--drafter", default="dflash")
+    p.add_argument("--drafter", nargs="+", default=["dflash"], help="one or more drafters, names or directories")
+    p.add_argument("--lookup", choices=["both", "on", "off"], default="both", help="the Runtimes' lookup rounds")
     p.add_argument("--suites", nargs="+", default=["code", "chat", "math"])
     p.add_argument("--prompts", type=int, default=12)
     p.add_argument("--max-new-tokens", type=int, default=96)
@@ -68,13 +73,17 @@ def main() -> None:
     p.add_argument("--verify-widths", type=int, nargs="+", default=[4])
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    target, drafter, tokenizer = load_models(args.target, args.drafter, "cpu", args.threads, True, None)
+    target, _, tokenizer = load_models(args.target, None, "cpu", args.threads, True, None)
     runtimes = {"AR": Runtime(target, None, RuntimeConfig(**SIZES, mode="compile", verify_width=None))}
-    for k in args.verify_widths:
-        for lookup in (False, True):
-            settings = dict(SIZES, mode="compile", verify_width=k, ar_fallback=True, lookup=lookup)
-            name = f"k = {k}, lookup {'on' if lookup else 'off'}"
-            runtimes[name] = Runtime(target, drafter, RuntimeConfig(**settings))
+    lookups = {"both": (False, True), "on": (True,), "off": (False,)}[args.lookup]
+    for spec in args.drafter:
+        drafter = load_drafter(drafter_dir(spec, args.target), target)
+        label = f"{Path(spec).name}, " if len(args.drafter) > 1 else ""
+        for k in args.verify_widths:
+            for lookup in lookups:
+                settings = dict(SIZES, mode="compile", verify_width=k, ar_fallback=True, lookup=lookup)
+                name = f"{label}k = {k}, lookup {'on' if lookup else 'off'}"
+                runtimes[name] = Runtime(target, drafter, RuntimeConfig(**settings))
     for suite in args.suites:
         prompts = suite_prompts(tokenizer, suite, args.prompts)
         for rep in range(args.reps):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import transformers
 
@@ -78,6 +80,16 @@ def random_relay(parent: dflow_rt.Drafter, relay_hidden: int = 32, seed: int = 0
         for p in drafter.relay.parameters():
             p.normal_(0, 0.5)
     return drafter
+
+
+def whole_block(drafter: dflow_rt.Drafter) -> dflow_rt.Drafter:
+    """`drafter` (same weights, relay and draft vocabulary) with `draft_whole_block` set."""
+    copy = dflow_rt.Drafter(replace(drafter.config, draft_whole_block=True))
+    copy.load_state_dict(drafter.state_dict())
+    copy.use_relay = drafter.use_relay
+    copy.vocab_ids, copy.vocab_head, copy.vocab_codes = drafter.vocab_ids, drafter.vocab_head, drafter.vocab_codes
+    w = drafter.fc.weight
+    return copy.to(device=w.device, dtype=w.dtype).eval()
 
 
 def fixed(**settings) -> dflow_rt.RuntimeConfig:

@@ -170,6 +170,7 @@ def test_missing_required_config_field(pair, target, kind, field):
     ("drafter", set_fields(head_dim=None, num_attention_heads="4"), "'num_attention_heads'"),
     ("drafter", set_fields(dflow_config={"relay_hidden": 8, "relay_input": "keys"}),
      "'dflow_config.relay_input' must be one of mask_embedding, kv, got 'keys'"),
+    ("drafter", set_dflash(draft_whole_block="yes"), "'dflash_config.draft_whole_block' must be true or false"),
 ])
 def test_invalid_config_field(pair, target, kind, change, field):
     path = edit_config(pair[kind], change)

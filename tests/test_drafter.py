@@ -23,7 +23,8 @@ from safetensors.torch import load_file
 
 import dflow_rt
 from dflow_rt import Drafter, DrafterConfig, Target, TargetConfig
-from tests.conftest import FIXTURES_LAST_LAYER, REFERENCE_FIXTURES, load_pair
+from tests.conftest import FIXTURES, FIXTURES_LAST_LAYER, REFERENCE_FIXTURES, load_pair
+from tests.helpers import whole_block
 
 # Hypothesis' "explain" phase re-runs a failing example under a line tracer, which takes
 # minutes on torch code; a failure is still shrunk to a minimal example.
@@ -327,6 +328,39 @@ def test_drafter_checkpoint_has_zlab_layout(tmp_path):
     assert loaded.config == drafter.config
     assert all(torch.equal(v, drafter.state_dict()[k]) for k, v in loaded.state_dict().items())
     assert torch.equal(draft_once(target, loaded), draft_once(target, drafter))
+
+
+def test_whole_block_flag_round_trips(tmp_path):
+    target = tiny_target(3)
+    drafter = whole_block(tiny_drafter(target, 4, block_size=8))
+    dflow_rt.save_model(drafter, tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["dflash_config"]["draft_whole_block"] is True
+    assert dflow_rt.load_drafter(tmp_path, target).config.draft_whole_block
+
+
+def test_whole_block_drafts_are_a_full_width_pass(reference_pair):
+    """At every verify width n < B a `draft_whole_block` drafter drafts what its pass over the whole
+    block (slots past n masked) drafts for slots 1..n-1; the cut pass, over n positions, differs."""
+    target, drafter = reference_pair
+    whole = whole_block(drafter)
+    prompt = torch.tensor([json.loads((FIXTURES / "rounds.json").read_text())["cases"][0]["prompt_ids"]])
+    P, B, mask = prompt.shape[1], drafter.block_size, drafter.config.mask_token_id
+    cut_differs = []
+    with torch.inference_mode():
+        _, feat = target(prompt, torch.arange(P)[None], target.new_cache(1, P + B), layer_ids=drafter.target_layer_ids)
+        def drafts(model, block, n):
+            return model.propose(target, block[:, :n], torch.arange(P, P + n)[None],
+                                 cache=model.new_cache(1, P + B), ctx_feat=feat, ctx_pos=torch.arange(P)[None])
+
+        for first in range(3):
+            block = torch.full((1, B), mask)
+            block[0, 0] = first
+            full = drafts(drafter, block, B)
+            assert torch.equal(drafts(whole, block, B), full)
+            for n in range(2, B):
+                assert torch.equal(drafts(whole, block, n), full[:, :n - 1]), n
+                cut_differs.append(not torch.equal(drafts(drafter, block, n), full[:, :n - 1]))
+    assert any(cut_differs)
 
 
 def test_nested_drafter_config_schema_loads_identically(tmp_path):

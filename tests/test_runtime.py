@@ -11,7 +11,7 @@ from dflow_rt.config import RuntimeConfig
 from dflow_rt.errors import InputError
 from dflow_rt.runtime import Runtime
 from tests.conftest import FIXTURES
-from tests.helpers import fixed, random_relay
+from tests.helpers import fixed, random_relay, whole_block
 
 CASES = json.loads((FIXTURES / "rounds.json").read_text())["cases"]
 
@@ -272,12 +272,15 @@ def test_finished_rows_stay_inside_a_tight_cache(reference_pair):
         assert out == dflow_rt.reference.generate(target, drafter, p, max_new_tokens=max_new).token_ids
 
 
-@pytest.mark.parametrize("relay", [False, True], ids=["dflash", "dflow"])
-def test_every_verify_width_matches_the_reference_round(reference_pair, relay):
+@pytest.mark.parametrize("relay, whole", [(False, False), (True, False), (False, True), (True, True)],
+                         ids=["dflash", "dflow", "dflash-whole-block", "dflow-whole-block"])
+def test_every_verify_width_matches_the_reference_round(reference_pair, relay, whole):
     """Verifying only the first k of B drafted positions is lossless at every k, and the Runtime's
-    rounds are the reference round's at that k (acceptance capped at k, relay counts k - 1 - a)."""
+    rounds are the reference round's at that k (acceptance capped at k, relay counts k - 1 - a),
+    with the draft pass cut to the k positions or, for a `draft_whole_block` drafter, over the block."""
     target, drafter = reference_pair
     drafter = random_relay(drafter, seed=1) if relay else drafter
+    drafter = whole_block(drafter) if whole else drafter
     prompts = [c["prompt_ids"] for c in CASES[:3]]
     greedy = [c["output_ids"][:40] for c in CASES[:3]]
     longest = {}
@@ -291,6 +294,20 @@ def test_every_verify_width_matches_the_reference_round(reference_pair, relay):
             assert max(ref.acceptance_lengths) <= k
         longest[k] = max(max(c) for c in counts)
     assert longest[1] == 2 and longest[16] > longest[4] > 2, longest  # widths really cap acceptance
+
+
+def test_compiled_whole_block_round_matches_the_reference_round(reference_pair):
+    """A `draft_whole_block` DFlow drafter's padded pass traces into one static compiled round and
+    drafts there as the reference round does (relay rows past the verified ones padded with zeros)."""
+    target, drafter = reference_pair
+    drafter = whole_block(random_relay(drafter, seed=1))
+    rt = Runtime(target, drafter, RuntimeConfig(mode="compile", compiler="aot_eager", max_batch=2, max_len=96,
+                                                verify_width=4, ar_fallback=False))
+    prompts = [c["prompt_ids"] for c in CASES[:2]]
+    outs, counts = per_round(rt, prompts, 40)
+    for prompt, out, cnt, case in zip(prompts, outs, counts, CASES, strict=False):
+        ref = dflow_rt.reference.generate(target, drafter, prompt, 40, config=fixed(verify_width=4))
+        assert out == ref.token_ids == case["output_ids"][:40] and cnt == reference_counts(ref)
 
 
 @pytest.mark.parametrize("relay", [False, True], ids=["dflash", "dflow"])

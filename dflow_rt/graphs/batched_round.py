@@ -42,7 +42,8 @@ def draft(target, drafter, s: DecodeState, plan: RoundPlan, width: int | None = 
     products and attention then cover fewer rows (a compiled SmolLM2 round at width 2 costs about
     7 % less on CPU), and the drafts, which see fewer mask positions in the block's bidirectional
     attention, change a little (tau 1-3 % lower; docs/experiments.md, "The draft pass cut to the
-    verified positions"). `dflow_rt.reference` drafts the same way."""
+    verified positions"). `dflow_rt.reference` drafts the same way. A drafter whose config sets
+    `draft_whole_block` pads the pass back to its whole block (`Drafter.propose`)."""
     block = torch.where(s.slots == 0, s.tokens[:, None], plan.filler)[:, :width]
     if lookup:
         block = torch.cat([block[:, :1], s.lookup[:, :block.shape[1] - 1]], dim=1)

@@ -237,8 +237,15 @@ def drafter_config(cfg: dict, path: object) -> DrafterConfig:
         **shared, block_size=positive_int(dflash, path, "block_size", default=cfg.get("block_size")),
         mask_token_id=mask, target_layer_ids=tuple(layer_ids), num_target_layers=num_target,
         relay_hidden=positive_int(dflow, path, "relay_hidden") if dflow else 0,
-        relay_input=relay_input(dflow, path),
+        relay_input=relay_input(dflow, path), draft_whole_block=flag(dflash, path, "draft_whole_block"),
     )
+
+
+def flag(section: dict, path: Path, name: str) -> bool:
+    value = section.get(name, False)
+    if type(value) is not bool:
+        raise CheckpointError(path, f"field 'dflash_config.{name}' must be true or false, got {value!r}")
+    return value
 
 
 def relay_input(dflow: dict, path: Path) -> str:
@@ -302,6 +309,8 @@ def drafter_hf_config(c: DrafterConfig) -> dict:
         "num_target_layers": c.num_target_layers, **{k: getattr(c, k) for k in SHARED}, "hidden_act": "silu",
         "tie_word_embeddings": False, "torch_dtype": "float32",
     }
+    if c.draft_whole_block:
+        cfg["dflash_config"]["draft_whole_block"] = True
     if c.relay_hidden:
         cfg["dflow_config"] = {"relay_hidden": c.relay_hidden, "relay_input": c.relay_input}
     return cfg

@@ -51,6 +51,7 @@ class DrafterConfig:
     max_position_embeddings: int = 4096
     relay_hidden: int = 0  # DFlow boundary-correction MLP width; 0 = a DFlash drafter (no relay)
     relay_input: str = "mask_embedding"  # or "kv": where the relay enters the draft pass (models/relay.py)
+    draft_whole_block: bool = False  # draft passes span the block at any verify width (`Drafter.propose`)
 
     def __post_init__(self):
         if self.relay_input not in RELAY_INPUTS:
@@ -204,26 +205,39 @@ class Drafter(nn.Module):
                 attention: Callable | None = None) -> torch.Tensor:
         """Greedy drafts [batch, n - 1] for slots 1.. of `block_ids` [batch, n] (one denoising step).
 
-        `n` may be less than the block size: the pass then spans those positions only (a verify
-        of the first n; see `batched_round.draft`). With a DFlow relay and a `relay` buffer holding
-        the last verify pass, the rejected suffix's features enter the pass (added to the mask
-        embeddings, or as keys/values); `projected`: the buffer's first rows through `project`, when
-        the caller has them (the static round, whose context write projects them). `attention`: see
-        `forward`. Every row of `cache` and `relay` drafts.
+        `n` may be less than the block size (a verify of the first n; see `batched_round.draft`): the
+        pass then spans those positions only, or, for a drafter with `draft_whole_block`, the whole
+        block with its slots past n masked, which costs a little more and drafts what a full-width
+        verify would (a drafter trained with soft labels leans on those masked slots;
+        docs/experiments.md, "The whole block drafted, per drafter"). Either way only slots 1..n-1
+        reach the head. With a DFlow relay and a `relay` buffer holding the last verify pass, the
+        rejected suffix's features enter the pass (added to the mask embeddings, or as keys/values);
+        `projected`: the buffer's first rows through `project`, when the caller has them (the static
+        round, whose context write projects them). `attention`: see `forward`. Every row of `cache`
+        and `relay` drafts.
         """
+        n, size = block_ids.shape[1], self.block_size
+        if self.config.draft_whole_block and n < size:
+            masks = block_ids.new_full((block_ids.shape[0], size - n), self.config.mask_token_id)
+            block_ids = torch.cat([block_ids, masks], dim=1)
+            block_pos = block_pos[:, :1] + torch.arange(size, device=block_pos.device)
         emb, relay_kv = self.embed(target, block_ids), None
         if ctx_feat is not None:
             self.write_context(ctx_feat, ctx_pos, cache, None)
         if self.use_relay and relay is not None:
             vectors, valid = self.relay_vectors(target, relay, None, projected)
-            n = block_ids.shape[1]  # a shorter pass: slots past it relay nothing it could use
-            vectors, valid = vectors[:, :n], valid[:, :n]
+            span = block_ids.shape[1]  # a shorter pass: slots past it relay nothing it could use
+            vectors, valid = vectors[:, :span], valid[:, :span]
+            if vectors.shape[1] < span:  # a whole block past the buffer's rows: nothing relayed there
+                pad = span - vectors.shape[1]
+                vectors = torch.cat([vectors, vectors.new_zeros(vectors.shape[0], pad, vectors.shape[2])], dim=1)
+                valid = torch.cat([valid, valid.new_zeros(valid.shape[0], pad)], dim=1)
             if self.config.relay_input == "kv":
                 relay_kv = vectors, valid
             else:
                 emb = emb + vectors
         h = self(emb, block_pos, cache=cache, relay_kv=relay_kv, attention=attention)
-        return self.greedy(target, h[:, 1:])
+        return self.greedy(target, h[:, 1:n])
 
 
 def with_relay(drafter: Drafter, relay_hidden: int, seed: int = 0, relay_input: str = "mask_embedding") -> Drafter:
