@@ -143,7 +143,7 @@ def test_bundled_drafters_are_lossless_and_draft(smollm2):
     code = suite_prompts(tok, "code", 2)
     for name in ("dflash", "dflow"):
         drafter = dflow_rt.load_drafter(drafter_dir(name, "smollm2"), target)
-        assert drafter_dir(name, "smollm2").parent.name == "smollm2" and drafter.block_size == 8
+        assert drafter_dir(name, "smollm2").parent.name == "smollm2" and drafter.block_size == 4
         assert (drafter.relay is not None) == (name == "dflow") and drafter.config.mask_token_id == 16
         taus = []
         for ids in prompts[:2] + code:

@@ -409,8 +409,14 @@ def test_dflow_training_writes_a_loadable_dflow_drafter(tiny_dir, data_file, dfl
     common = ["--target", str(tiny_dir), "--data", str(data_file), *RUN, "--steps", "1", "--init"]
     assert run_cli(["dflow", *common, str(out), "--out", str(tmp_path / "c1"), "--relay-input", "kv"]) == 2
     assert run_cli(["dflow", *common, str(out), "--out", str(tmp_path / "c2"), "--relay-hidden", "32"]) == 2
-    assert run_cli(["dflash", *common, str(dflash_run), "--out", str(tmp_path / "c3"), "--block-size", "16"]) == 2
+    assert run_cli(["dflash", *common, str(dflash_run), "--out", str(tmp_path / "c3"), "--layers", "3"]) == 2
     assert capsys.readouterr().err.count("fixes the drafter's shape; conflicting: --") == 3
+    # --block-size re-blocks the parent: the same weights, as a drafter of another block size
+    assert run_cli(["dflash", *common, str(dflash_run), "--out", str(tmp_path / "b4"), "--block-size", "4",
+                    "--lr", "1e-12"]) == 0
+    assert json.loads((tmp_path / "b4" / "config.json").read_text())["block_size"] == 4
+    reblocked = load_file(tmp_path / "b4" / "model.safetensors")
+    assert all(torch.allclose(reblocked[k], parent[k], atol=1e-6) for k in parent)
     assert run_cli(["dflow", *common, str(out), "--out", str(tmp_path / "c4"), "--relay-hidden", "24",
                     "--block-size", "8", "--lr", "1e-12"]) == 0  # repeating the parent's own shape is fine
     # --freeze-base: the relay alone trains; the shared weights stay bit for bit the parent's.

@@ -228,7 +228,8 @@ def _drafter_parser(p: argparse.ArgumentParser, dflow: bool) -> None:
     m = p.add_argument_group("drafter (a resumed run keeps its own)")
     m.add_argument("--init", help=("start from this DFlash (converted with a zero-init relay) or DFlow drafter"
                                    if dflow else "continue this DFlash drafter (fresh optimizer and schedule)")
-                   + "; it fixes the shape (--block-size, --layers, ... may only repeat its own)")
+                   + "; it fixes the shape (--layers, --target-layers, ... may only repeat its own); "
+                     "--block-size re-blocks its weights")
     if dflow:
         m.add_argument("--relay-hidden", type=int, help="relay MLP width [target hidden size]")
         m.add_argument("--relay-input", choices=("mask_embedding", "kv"),

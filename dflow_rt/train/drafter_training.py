@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -181,6 +181,9 @@ def build_drafter(kind: str, target: Target, target_dir: Path, s: dict, given: d
         # its draft vocabulary (if any) is a property of its training data: `train draft-vocab` remakes it
         parent = load_drafter(s["init"], target, dtype=torch.float32, draft_vocab=False)
         check_init_shape(s["init"], parent, given or {})
+        block = (given or {}).get("block_size")
+        if block is not None and block != parent.block_size:
+            parent = reblocked(parent, block)
         if kind == "dflash":
             if parent.relay is not None:
                 raise InputError(f"--init {s['init']}: a DFlow drafter; `train dflash` continues DFlash drafters")
@@ -228,11 +231,22 @@ def copy_target_layers(drafter: Drafter, target: Target, layer_ids: list[int]) -
         drafter.norm.load_state_dict(target.model.norm.state_dict())
 
 
+def reblocked(drafter: Drafter, block_size: int) -> Drafter:
+    """`drafter`'s weights as a drafter of another block size. No weight depends on B (positions enter
+    through rotary, relative), so a drafter of 8 can be fine-tuned into one of the 4 positions a CPU
+    Runtime verifies, which then no longer leans on masked slots it never sees (docs/experiments.md,
+    "B fine-tuned as a block-4 drafter")."""
+    out = Drafter(replace(drafter.config, block_size=block_size))
+    out.load_state_dict(drafter.state_dict())
+    return out.to(drafter.fc.weight.dtype)
+
+
 def check_init_shape(init: str, parent: Drafter, given: dict) -> None:
     """--init fixes the drafter's shape: a shape setting given explicitly must agree with it (a DFlash
-    parent has no relay yet, so its relay settings are still free), or the run would silently ignore it."""
+    parent has no relay yet, so its relay settings are still free), or the run would silently ignore it.
+    The block size is not part of the shape (`reblocked`)."""
     c = parent.config
-    shape = {"block_size": c.block_size, "layers": c.num_hidden_layers, "target_layers": list(c.target_layer_ids),
+    shape = {"layers": c.num_hidden_layers, "target_layers": list(c.target_layer_ids),
              "mask_token_id": c.mask_token_id}
     if parent.relay is not None:
         shape |= {"relay_hidden": c.relay_hidden, "relay_input": c.relay_input}
