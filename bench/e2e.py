@@ -248,13 +248,14 @@ def llama_cpp_methods(path: Path, args, stops: list[int], max_len: int, notes: l
         return []
     threads = torch.get_num_threads()
     notes.append(f"llama.cpp: llama-cpp-python {version}, {gguf.name}, {threads} thread(s)")
-    methods = [Method(name, "llama.cpp", 1, "float32", llamacpp.llama_cpp_runner(gguf, stops, threads, max_len, lookup))
+    n_ctx = max_len + args.prompt_lookup  # its lookup drafts reach past the last token (a block 4 leaves less slack)
+    methods = [Method(name, "llama.cpp", 1, "float32", llamacpp.llama_cpp_runner(gguf, stops, threads, n_ctx, lookup))
                for name, lookup in (("llama_cpp", None), ("llama_cpp_prompt_lookup", args.prompt_lookup))]
     try:  # compared against float32 greedy like the others: it rounds activations, so it may differ
         q4 = llamacpp.q4_1_file(gguf)
         notes.append(f"llama_cpp_q4_1: {q4.name}, llama.cpp's Q4_1 (embedding Q8_0) of the same weights")
         methods.append(Method("llama_cpp_q4_1", "llama.cpp", 1, "float32",
-                              llamacpp.llama_cpp_runner(q4, stops, threads, max_len)))
+                              llamacpp.llama_cpp_runner(q4, stops, threads, n_ctx)))
     except (InputError, OSError) as err:
         notes.append(f"llama_cpp_q4_1 row skipped: {err}")
     return methods
