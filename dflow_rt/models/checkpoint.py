@@ -237,12 +237,12 @@ def drafter_config(cfg: dict, path: object) -> DrafterConfig:
         **shared, block_size=positive_int(dflash, path, "block_size", default=cfg.get("block_size")),
         mask_token_id=mask, target_layer_ids=tuple(layer_ids), num_target_layers=num_target,
         relay_hidden=positive_int(dflow, path, "relay_hidden") if dflow else 0,
-        relay_input=relay_input(dflow, path), draft_whole_block=flag(dflash, path, "draft_whole_block"),
+        relay_input=relay_input(dflow, path), draft_whole_block=dflash_flag(dflash, path, "draft_whole_block"),
     )
 
 
-def flag(section: dict, path: Path, name: str) -> bool:
-    value = section.get(name, False)
+def dflash_flag(dflash: dict, path: Path, name: str) -> bool:
+    value = dflash.get(name, False)
     if type(value) is not bool:
         raise CheckpointError(path, f"field 'dflash_config.{name}' must be true or false, got {value!r}")
     return value

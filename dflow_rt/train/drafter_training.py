@@ -238,7 +238,8 @@ def reblocked(drafter: Drafter, block_size: int) -> Drafter:
     "B fine-tuned as a block-4 drafter")."""
     out = Drafter(replace(drafter.config, block_size=block_size))
     out.load_state_dict(drafter.state_dict())
-    return out.to(drafter.fc.weight.dtype)
+    w = drafter.fc.weight
+    return out.to(device=w.device, dtype=w.dtype)
 
 
 def check_init_shape(init: str, parent: Drafter, given: dict) -> None:
