@@ -27,7 +27,7 @@ from dflow_rt.errors import BusyError, InputError, RequestError
 from dflow_rt.fallback import ArFallback
 from dflow_rt.graphs import compile_cache
 from dflow_rt.graphs.plan import RoundPlan
-from dflow_rt.graphs.runner import build_rounds
+from dflow_rt.graphs.runner import build_rounds, guard_failure
 from dflow_rt.graphs.state import DecodeState
 from dflow_rt.limits import check_config, check_memory, rotary_growth
 from dflow_rt.lookup import NgramIndex
@@ -163,6 +163,11 @@ class Runtime:
                 raise InputError("a weight of the models changed after this Runtime was built: its compiled "
                                  "rounds read the weights' exact codes from then (DFLOW_RT_EXACT_CODES); build "
                                  "a new Runtime")
+            if self.waiting and self.free_rows:  # compiled rounds check their guards here, not every step
+                failed = guard_failure(self.rounds)
+                if failed:
+                    raise InputError(f"the models or torch's settings changed after this Runtime was built, and "
+                                     f"its compiled rounds no longer fit them ({failed}): build a new Runtime")
             return self._step()
 
     @contextmanager

@@ -11,9 +11,11 @@ import shutil
 
 import pytest
 import torch
+from torch._dynamo.aot_compile import AOTCompiledFunction
 
 import dflow_rt
 from dflow_rt import Runtime, RuntimeConfig
+from dflow_rt.errors import InputError
 from dflow_rt.graphs import compile_cache
 from dflow_rt.models import cpu_gemv
 from tests.test_runtime import CASES
@@ -78,9 +80,10 @@ def test_cached_rounds_decode_the_same_tokens_and_a_corrupt_entry_is_rebuilt(ref
     assert not (cache / entry["key"]).exists()
 
 
-def test_a_graph_whose_guards_reject_the_runtime_is_rebuilt(reference_pair, cache, capsys):
+def test_a_graph_whose_guards_reject_the_runtime_is_rebuilt(reference_pair, cache, capsys, monkeypatch):
     """A file that passes its checksum but was compiled for other shapes (here: another block size,
-    copied in under this entry's names) is never run: its guards reject the state, and it is rebuilt."""
+    copied in under this entry's names) is never run: its guards reject the state, and it is rebuilt.
+    Guards then run when a request is admitted, not on every step, and still refuse a changed model."""
     target, drafter = reference_pair
     prompt = CASES[0]["prompt_ids"]
     Runtime(target, drafter, config(verify_width=2))
@@ -95,8 +98,22 @@ def test_a_graph_whose_guards_reject_the_runtime_is_rebuilt(reference_pair, cach
     err = capsys.readouterr().err
     assert not rt.compile_cache_hit and err.count("does not fit this Runtime") == 2, err
     want = dflow_rt.reference.generate(target, drafter, prompt, max_new_tokens=30).token_ids  # greedy: the target's own
+    checks = []
+    check = AOTCompiledFunction.guard_check
+    monkeypatch.setattr(AOTCompiledFunction, "guard_check", lambda *a, **k: checks.append(1) or check(*a, **k))
     assert rt.generate([prompt], max_new_tokens=30)[0] == want
-    assert Runtime(target, drafter, small).compile_cache_hit
+    assert len(checks) == 1  # at admission; the request's rounds (at least 8 here) check none
+    loaded = Runtime(target, drafter, small)
+    assert loaded.compile_cache_hit
+    weight = target.model.norm.weight
+    kept = weight.data
+    weight.data = kept.double()  # what the graphs were traced for no longer holds
+    try:
+        loaded.add_request(prompt, max_new_tokens=5)
+        with pytest.raises(InputError, match="changed after this Runtime was built"):
+            loaded.step()
+    finally:
+        weight.data = kept
 
 
 def test_the_key_follows_what_the_compiled_code_depends_on(reference_pair, monkeypatch):
