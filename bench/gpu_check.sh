@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Every GPU check in one run, under 8 minutes on one GPU; results under $OUT (default /tmp/gpu_check):
+# Every GPU check in one run, under 10 minutes on one GPU; results under $OUT (default /tmp/gpu_check):
+#   round_cost.txt    a round at verify width 4 and 8 in AR steps, CUDA graphs, random models of Qwen3-0.6B's
+#                     and SmolLM2-135M's shapes in bf16 (bench/round_cost.py; the goals: <= 1.10 and <= 1.3)
 #   kernels.log       the kernel property tests with the `gpu` hypothesis profile (bf16 included)
 #   autotune.json     `dflow-rt autotune --quick` on the bundled target and DFlash drafter (+ tuned/)
 #   bench_runtime.*   `dflow-rt bench --suite runtime`: eager / compile / cudagraph, batch 1 and 4
@@ -23,6 +25,12 @@ import importlib.util, torch
 print("device", torch.cuda.get_device_name(), "| torch", torch.__version__,
       "| flashinfer", importlib.util.find_spec("flashinfer") is not None)
 PY
+
+log "round cost"
+for shape in qwen3-0.6b smollm2; do
+  timeout 75 python3 bench/round_cost.py --device cuda --shape $shape --compiler eager --verify-width 4 8 \
+    --prompts 4 >>"$OUT/round_cost.txt" 2>&1; log "round_cost $shape exit $?"
+done
 
 log "kernel property tests (gpu profile)"
 HYPOTHESIS_PROFILE=gpu timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py \

@@ -87,6 +87,9 @@ class Runtime:
             with torch.inference_mode():
                 self.rounds = build_rounds(target, drafter, self.state, plan, before, cache)
             self.compile_cache_hit = cache is not None and cache.loaded > 0 and cache.saved == 0
+        # compiled and captured rounds read each weight where it was when they were built (`step` checks)
+        self._placed = [(p, p.data_ptr()) for m in (target, drafter) if m is not None for p in m.parameters()] \
+            if c.mode != "eager" else []
         self.fallback = ArFallback({n: plan.round_widths(n) for n in plan.rows}) if plan.ar_fallback else None
         self.waiting: deque[Request] = deque()
         self.free_rows = list(range(c.max_batch))  # a heap: lowest rows first keeps buckets small
@@ -163,6 +166,10 @@ class Runtime:
                 raise InputError("a weight of the models changed after this Runtime was built: its compiled "
                                  "rounds read the weights' exact codes from then (DFLOW_RT_EXACT_CODES); build "
                                  "a new Runtime")
+            if any(p.data_ptr() != at for p, at in self._placed):  # 23 us for SmolLM2's 272 parameters
+                raise InputError("a weight of the models was replaced after this Runtime was built (new data, "
+                                 "dtype or shape): its compiled rounds were built for the old one; build a new "
+                                 "Runtime")
             if self.waiting and self.free_rows:  # compiled rounds check their guards here, not every step
                 failed = guard_failure(self.rounds)
                 if failed:

@@ -107,10 +107,15 @@ def test_a_graph_whose_guards_reject_the_runtime_is_rebuilt(reference_pair, cach
     assert loaded.compile_cache_hit
     weight = target.model.norm.weight
     kept = weight.data
-    weight.data = kept.double()  # what the graphs were traced for no longer holds
     try:
+        weight.requires_grad_(not weight.requires_grad)  # guarded, and no step between admissions sees it
         loaded.add_request(prompt, max_new_tokens=5)
         with pytest.raises(InputError, match="changed after this Runtime was built"):
+            loaded.step()
+        weight.requires_grad_(not weight.requires_grad)
+        loaded.step()  # admitted now
+        weight.data = kept.double()  # mid-request: the rounds would read the old weight's memory
+        with pytest.raises(InputError, match="was replaced after this Runtime was built"):
             loaded.step()
     finally:
         weight.data = kept
