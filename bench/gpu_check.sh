@@ -29,7 +29,7 @@ PY
 log "round cost"
 for shape in qwen3-0.6b smollm2; do
   timeout 90 python3 bench/round_cost.py --device cuda --shape $shape --compiler eager --verify-width 4 8 \
-    --prompts 3 >>"$OUT/round_cost.txt" 2>    --prompts 4 >>"$OUT/round_cost.txt" 2>&1; log "round_cost $shape exit $?"1; log "round_cost $shape exit $?"
+    --prompts 3 >>"$OUT/round_cost.txt" 2>&1; log "round_cost $shape exit $?"
 done
 
 log "kernel property tests (gpu profile)"
