@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Every GPU check in one run, under 10 minutes on one GPU; results under $OUT (default /tmp/gpu_check):
+# Every GPU check in one run on one GPU, each step under its own time limit (13 minutes at most in
+# all); results under $OUT (default /tmp/gpu_check):
 #   round_cost.txt    a round at verify width 4 and 8 in AR steps, CUDA graphs, random models of Qwen3-0.6B's
 #                     and SmolLM2-135M's shapes in bf16 (bench/round_cost.py; the goals: <= 1.10 and <= 1.3)
 #   kernels.log       the kernel property tests with the `gpu` hypothesis profile (bf16 included)
