@@ -37,6 +37,7 @@ from dflow_rt.runtime import Runtime
 # batch 1, fallback off, greedy rounds only: also the Runtimes of step_profile.py and huge_pages.py, which
 # then load the compiled rounds this script compiled
 SIZES = dict(max_batch=1, max_len=512, batch_buckets=(1,), tuned=False, ar_fallback=False, sampling=False)
+BUCKETS = tuple(range(128, 512, 64))  # the default length buckets of a plan whose length is a symbol
 # public configs (the models' config.json), for random models of their shape
 SHAPES = {
     "smollm2": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -103,6 +104,9 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--attention", nargs="+", default=["auto"], metavar="IMPL",
                    help="attention implementations (RuntimeConfig.kernels), each a set of Runtimes [auto]")
+    p.add_argument("--symbolic-length", action="store_true",
+                   help="also each compiled Runtime with length buckets given (its graphs trace the length as a "
+                        "symbol), against the one static length a CPU plan picks by default")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     device = pick_device(args.device)
@@ -121,15 +125,18 @@ def main() -> None:
     for impl in args.attention:
         tag = "" if args.attention == ["auto"] else f", attention {impl}"
         kw = dict(SIZES, kernels={"attention": impl}, compiler=args.compiler)
-        runtimes[f"AR, {compiled}{tag}"] = Runtime(target, None, RuntimeConfig(**kw, mode=compiled, verify_width=None))
+        lengths = {"": None, ", symbolic length": BUCKETS} if args.symbolic_length else {"": None}
+        for name, buckets in lengths.items():
+            runtimes[f"AR, {compiled}{tag}{name}"] = Runtime(target, None, RuntimeConfig(
+                **kw, mode=compiled, verify_width=None, length_buckets=buckets))
         for k in args.verify_width:
-            for mode in ("eager", compiled):
-                runtimes[f"DFlash k = {k}, {mode}{tag}"] = (k, Runtime(target, drafter, RuntimeConfig(
-                    **kw, mode=mode, verify_width=k)))
+            for mode, name, buckets in [("eager", "", None)] + [(compiled, n, b) for n, b in lengths.items()]:
+                runtimes[f"DFlash k = {k}, {mode}{tag}{name}"] = Runtime(target, drafter, RuntimeConfig(
+                    **kw, mode=mode, verify_width=k, length_buckets=buckets))
     times: dict[str, list[float]] = {name: [] for name in runtimes}
     for prompt in prompts:
         for name, rt in runtimes.items():  # interleaved, so that drift reaches all alike
-            times[name].append(per_round_ms(rt[1] if isinstance(rt, tuple) else rt, prompt, args.max_new_tokens))
+            times[name].append(per_round_ms(rt, prompt, args.max_new_tokens))
     ar = statistics.median(next(t for name, t in times.items() if name.startswith("AR")))
     print(f"{torch.__version__}, {torch.cuda.get_device_name() if cuda else 'CPU'}, {dtype}, "
           f"{args.shape or args.target}, {args.threads} threads")

@@ -100,7 +100,7 @@ def phases(target, drafter, mode: str, batch: int, prompts, rounds: int, width: 
            "commit": functools.partial(batched_round.commit, plan=plan)}
     if plan.mode != "eager":
         for view in views.values():
-            mark_length_dynamic(view)
+            mark_length_dynamic(view, plan)
         # each phase compiles once per (mode, batch) configuration of the run, all in one process
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         fns = {k: compile_static(f, plan.compiler) for k, f in fns.items()}

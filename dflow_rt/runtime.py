@@ -8,6 +8,7 @@ covering the live rows, and copies one small tensor to the host: the tokens emit
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import heapq
 import itertools
 import logging
@@ -72,7 +73,8 @@ class Runtime:
             raise InputError("mode 'cudagraph' needs the models on a CUDA device")
         self.target, self.drafter = target, drafter
         self.plan = plan = RoundPlan.of(c, target, drafter)
-        check_memory(c, target, drafter, plan.block_size)
+        positions = max(c.max_len, plan.lengths[-1])  # the cache's: a static plan rounds its length up
+        check_memory(dataclasses.replace(c, max_len=positions), target, drafter, plan.block_size)
         huge_pages.place(target, drafter)  # CPU weights streamed each step: fewer page walks
         self.exact_codes = exact_codes.attach(target, drafter)  # fewer bytes a step, same values
         self._coded = exact_codes.watch(target, drafter) if c.mode != "eager" else []  # eager checks each product
@@ -82,7 +84,7 @@ class Runtime:
         before = self.prepare_attention if hasattr(plan.kernels.attention, "plan") else None  # FlashInfer
         self.rows: list[Request | None] = [None] * c.max_batch
         with rotary_growth(c.max_len, target, drafter):  # undone if construction fails
-            self.state = DecodeState.allocate(target, drafter, c.max_batch, c.max_len, plan.block_size)
+            self.state = DecodeState.allocate(target, drafter, c.max_batch, positions, plan.block_size)
             cache = self._compile_cache()
             with torch.inference_mode():
                 self.rounds = build_rounds(target, drafter, self.state, plan, before, cache)

@@ -17,7 +17,10 @@ import dflow_rt
 from dflow_rt import Runtime, RuntimeConfig
 from dflow_rt.errors import InputError
 from dflow_rt.graphs import compile_cache
+from dflow_rt.graphs.plan import RoundPlan
+from dflow_rt.kernels.attention import cpu_serves_every_pass
 from dflow_rt.models import cpu_gemv
+from dflow_rt.tuned import resolve
 from tests.test_runtime import CASES
 
 
@@ -154,3 +157,26 @@ def test_the_cache_keeps_its_bound_and_clears(cache):
     compile_cache.prune(750)
     assert [e["key"] for e in compile_cache.entries()] == ["k5", "k2", "k1"]
     assert compile_cache.clear() >= 600 and compile_cache.entries() == [] and not cache.exists()
+
+
+def test_a_cpu_plan_without_length_buckets_traces_one_static_length(reference_pair, cache):
+    """On CPU the C++ attention reads each row's keys up to its own position, so a compiled plan
+    without length buckets runs one length traced as a constant: max_len rounded up to a power of two
+    (at least 512), which the compile cache's key holds. Its rounds decode the reference's tokens."""
+    target, drafter = reference_pair
+    if not cpu_serves_every_pass(target, drafter, drafter.block_size):
+        pytest.skip("the C++ attention does not serve these models here")
+    settings = {"max_batch": 1, "mode": "compile", "verify_width": 4, "sampling": False, "ar_fallback": False}
+
+    def plan(**kw):
+        return RoundPlan.of(resolve(RuntimeConfig(**settings, **kw), target, drafter), target, drafter)
+
+    assert [plan(max_len=n).lengths for n in (160, 512, 600)] == [(512,), (512,), (1024,)]
+    assert not plan(max_len=160, length_buckets=(64,)).static_length  # buckets given: the length a symbol
+    keys = {n: compile_cache.entry_key(target, drafter, plan(max_len=n).graph_settings())[0] for n in (160, 300, 600)}
+    assert keys[160] == keys[300] != keys[600]
+    rt = Runtime(target, drafter, RuntimeConfig(**settings, max_len=160))
+    assert rt.plan.static_length and {key[1] for key in rt.rounds} == {512}
+    for case in CASES[:2]:
+        want = dflow_rt.reference.generate(target, drafter, case["prompt_ids"], max_new_tokens=40).token_ids
+        assert rt.generate([case["prompt_ids"]], max_new_tokens=40)[0] == want

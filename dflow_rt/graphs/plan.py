@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from dflow_rt.config import RuntimeConfig
 from dflow_rt.errors import InputError
 from dflow_rt.kernels import Kernels, select_for
+from dflow_rt.kernels.attention import cpu_serves_every_pass
 from dflow_rt.sampling import excluded_token
 
 
@@ -21,6 +22,7 @@ class RoundPlan:
     freeze: bool  # weights folded into compiled rounds as constants (`runner.compiling`)
     rows: tuple[int, ...]  # batch buckets: a round runs the first `rows` rows of the state
     lengths: tuple[int, ...]  # length buckets: a round attends over the first `length` cache positions
+    static_length: bool  # one length, traced as a constant (`of`); else the length is a symbol
     widths: dict[int, int]  # verify width per batch bucket
     sampling: bool  # rounds in which a row samples are built (RuntimeConfig.sampling); else only greedy ones
     ar_fallback: bool  # each bucket also has rounds at widths 1 (no draft pass) and ceil(k / 2): `round_widths`
@@ -39,9 +41,14 @@ class RoundPlan:
         if min(lengths) <= block_size or max(lengths) > c.max_len:  # (batch buckets: limits.check_config)
             raise InputError(f"length_buckets must lie in {block_size + 1}..max_len ({c.max_len}), got {lengths}")
         widths, kernels = c.widths(block_size), select_for(c.kernels, target, drafter)
+        static = c.mode == "compile" and c.length_buckets is None and kernels.implementations["attention"] == "cpu" \
+            and cpu_serves_every_pass(target, drafter, block_size)
+        if static:  # no round's cost depends on the length: one, traced as a constant (`static_length`)
+            lengths = (static_length(c.max_len),)
         fallback = c.ar_fallback is True and drafter is not None and max(widths.values()) > 1 \
             and not hasattr(kernels.attention, "plan")  # FlashInfer plans per verify width
         return cls(mode=c.mode, compiler=c.compiler, freeze=c.freeze, rows=c.buckets(), lengths=lengths,
+                   static_length=static,
                    widths=widths, sampling=c.sampling, ar_fallback=fallback, lookup=fallback and c.lookup,
                    block_size=block_size,
                    filler=drafter.config.mask_token_id if drafter is not None else 0,
@@ -51,11 +58,13 @@ class RoundPlan:
 
     def graph_settings(self) -> dict:
         """What the compiled rounds depend on beyond the models and their own row count, width and
-        variant (which name a graph within an entry), for the compile cache's key: not the lengths,
-        which the rounds trace as a symbol, so one entry serves every max_len and every set of buckets."""
+        variant (which name a graph within an entry), for the compile cache's key: the length where it
+        is static, else not the lengths, which the rounds trace as a symbol, so that one entry serves
+        every max_len and every set of buckets."""
         return {"mode": self.mode, "block_size": self.block_size, "context_width": self.context_width,
                 "filler": self.filler, "exclude": self.exclude, "layer_ids": self.layer_ids,
-                "kernels": dict(self.kernels.implementations)}
+                "kernels": dict(self.kernels.implementations),
+                "length": self.lengths[0] if self.static_length else "symbolic"}
 
     @property
     def context_width(self) -> int:
@@ -75,3 +84,11 @@ class RoundPlan:
         whose drafts the host writes (`dflow_rt.lookup`; sampled text repeats itself less)."""
         drafted = [(n, g, k, False) for n in self.rows for g in variants for k in self.round_widths(n)]
         return drafted + [(n, True, self.widths[n], True) for n in self.rows if self.lookup and True in variants]
+
+
+def static_length(max_len: int) -> int:
+    """The one length of a static plan: max_len rounded up to a power of two, at least 512. Rounds
+    over the C++ attention cost the same at any cache length (a row reads up to its own position),
+    and a symbolic length cost a SmolLM2 step on CPU 6 % (docs/experiments.md); rounding keeps the
+    graphs of requests sized one by one (`generate`: prompt + new tokens + block) to a few sizes."""
+    return max(512, 1 << (max_len - 1).bit_length())

@@ -29,10 +29,11 @@ def build_rounds(target, drafter, state: DecodeState, plan: RoundPlan,
     of the drafter's (`plan.graphs`). `before(rows, length)`, when given, runs on the host
     before every run of a bucket (FlashInfer's planning), outside any captured graph or compiled code.
 
-    Compiled rounds are one graph per row count, variant and width with the cache length symbolic
-    (`compiled_graphs`, from `cache` where given); each runs here at its shortest and longest length
-    (no row is live yet, so these runs change no request): no step ever compiles (tested over
-    lengths in between). Weights are graph inputs, not constants, unless `plan.freeze` (`compiling`).
+    Compiled rounds are one graph per row count, variant and width with the cache length symbolic,
+    or constant where the plan has one static length (`compiled_graphs`, from `cache` where given);
+    each runs here at its shortest and longest length (no row is live yet, so these runs change no
+    request): no step ever compiles (tested over lengths in between). Weights are graph inputs, not
+    constants, unless `plan.freeze` (`compiling`).
     """
     views = {(n, L): state.view(n, L) for n in plan.rows for L in plan.lengths}
     graphs = {(n, g, k, lu): functools.partial(decode_round, target, drafter, plan=plan, width=k, greedy=g, lookup=lu)
@@ -85,7 +86,7 @@ def compiled_graphs(target, drafter, state: DecodeState, plan: RoundPlan, views:
         else:
             return found
     for view in views.values():  # the length as a symbol: one graph per row count, variant and width
-        mark_length_dynamic(view)
+        mark_length_dynamic(view, plan)
     lazy = _lazy_round(target, drafter, plan, len(graphs))
     return {(n, g, k, lu): functools.partial(lazy, width=k, greedy=g, lookup=lu) for n, g, k, lu in graphs}
 
@@ -105,7 +106,7 @@ def _cached_graph(cache: compile_cache.Entry, name: str, models: tuple, kwargs: 
     log.warning("compiling round %s (minutes on a CPU; kept in %s, from which later starts load it in about "
                 "a second)", name, cache.dir)
     try:
-        mark_length_dynamic(example)
+        mark_length_dynamic(example, kwargs["plan"])
         with _without_grads(*models):
             fn = torch.compile(decode_round, fullgraph=True, dynamic=False,
                                backend=kwargs["plan"].compiler).aot_compile(((*models, example), kwargs))
@@ -220,8 +221,11 @@ def compiling(compiler: str, device: torch.device, freeze: bool = False) -> cont
                                          **templates})
 
 
-def mark_length_dynamic(view: DecodeState) -> None:
-    """Trace the cache length of `view` as a symbol: one graph serves every length bucket."""
+def mark_length_dynamic(view: DecodeState, plan: RoundPlan) -> None:
+    """Trace the cache length of `view` as a symbol: one graph serves every length bucket (and every
+    max_len). Not for a plan with one static length, whose graphs skip the symbol's cost."""
+    if plan.static_length:
+        return
     for t in view.caches():
         torch._dynamo.mark_dynamic(t, 2)
 

@@ -34,6 +34,16 @@ def attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: to
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=True)
 
 
+def cpu_serves_every_pass(target, drafter, block_size: int) -> bool:
+    """Whether `attention_cpu` serves every decode pass of these models by its C++ kernel (so that no
+    round's cost depends on its cache view's length): float32 on CPU, head sizes in HEAD_SIZES,
+    blocks of at most `cpu_gemv.MAX_ROWS` queries, the kernel built."""
+    models = [m for m in (target, drafter) if m is not None]
+    return (block_size <= cpu_gemv.MAX_ROWS and all(m.config.head_dim in HEAD_SIZES for m in models)
+            and all(w.dtype == torch.float32 and w.device.type == "cpu" for w in (next(m.parameters()) for m in models))
+            and cpu_gemv.enabled())
+
+
 def attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: torch.Tensor,
                   causal: bool) -> torch.Tensor:
     """`attention_torch` by the C++ kernel (`models/cpu_attention.cpp`) where it serves: float32 on CPU,
