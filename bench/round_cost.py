@@ -65,8 +65,9 @@ def random_models(shape: str, block_size: int, drafter_layers: int, device: str,
     return target, drafter
 
 
-def gemm_rate(threads: int) -> float:
-    """Multiply-adds a second of torch's float32 GEMM on two 2048 x 2048 matrices here, best of 5."""
+def gemm_rate() -> float:
+    """Multiply-adds a second of torch's float32 GEMM on two 2048 x 2048 matrices here, the best of
+    six products (the first warms up)."""
     a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
     best = float("inf")
     for _ in range(6):
@@ -143,7 +144,7 @@ def main() -> None:
     for name, ms in times.items():
         print(f"{name}: {statistics.median(ms):.2f} ms a round ({statistics.median(ms) / ar:.2f} AR steps)")
     if not cuda:
-        rate = gemm_rate(args.threads)
+        rate = gemm_rate()
         macs = sum(m.weight.numel() for m in target.modules() if isinstance(m, cpu_gemv.Linear))
         print(f"floor: {macs / 1e6:.1f} M multiply-adds a position in the target's products; torch's float32 GEMM "
               f"here {rate / 1e9:.1f} G multiply-adds/s")
