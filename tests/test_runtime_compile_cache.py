@@ -109,7 +109,7 @@ def test_a_graph_whose_guards_reject_the_runtime_is_rebuilt(reference_pair, cach
     loaded = Runtime(target, drafter, small)
     assert loaded.compile_cache_hit
     weight = target.model.norm.weight
-    kept = weight.data
+    kept, grad = weight.data, weight.requires_grad
     try:
         weight.requires_grad_(not weight.requires_grad)  # guarded, and no step between admissions sees it
         loaded.add_request(prompt, max_new_tokens=5)
@@ -120,8 +120,9 @@ def test_a_graph_whose_guards_reject_the_runtime_is_rebuilt(reference_pair, cach
         weight.data = kept.double()  # mid-request: the rounds would read the old weight's memory
         with pytest.raises(InputError, match="was replaced after this Runtime was built"):
             loaded.step()
-    finally:
+    finally:  # the models are shared with other tests
         weight.data = kept
+        weight.requires_grad_(grad)
 
 
 def test_the_key_follows_what_the_compiled_code_depends_on(reference_pair, monkeypatch):
