@@ -35,12 +35,13 @@ def cmd_generate(args: argparse.Namespace) -> None:
         ids = tokenizer.encode(args.prompt, add_special_tokens=False)
     block = 1 if drafter is None else (args.block_size or drafter.block_size)
     check_fits(len(ids), args.max_new_tokens, block, target.config.max_position_embeddings)  # before allocating
+    sampling = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed}
     config = runtime_config(args, tuned, block, max_batch=1, max_len=len(ids) + args.max_new_tokens + block,
-                            sampling=False)  # greedy: half the graphs to compile
+                            sampling=args.temperature > 0)  # greedy: half the graphs to compile
     t0 = time.perf_counter()
     rt = Runtime(target, drafter, config)
     setup_s = time.perf_counter() - t0
-    out = run_one(rt, ids, args.max_new_tokens, stop_token_ids(tokenizer))
+    out = run_one(rt, ids, args.max_new_tokens, stop_token_ids(tokenizer), **sampling)
     text = tokenizer.decode(out.token_ids, skip_special_tokens=True)
     stats = {"tau": round(out.tau, 4), "tokens_per_s": round(out.decode_tokens_per_s, 2),
              "rounds": len(out.acceptance_lengths), "plain_steps": out.plain_steps,
@@ -64,7 +65,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 
 def cmd_eval_tau(args: argparse.Namespace) -> None:
-    from dflow_rt.data.prompts import SUITES, suite_prompts
+    from dflow_rt.data.prompts import suite_names, suite_prompts
     from dflow_rt.eval.diagnose import relay_diagnostics
     from dflow_rt.eval.tau import measure_tau
     from dflow_rt.models.drafter import relay_off
@@ -79,7 +80,7 @@ def cmd_eval_tau(args: argparse.Namespace) -> None:
               and not args.no_relay, "temperature": args.temperature, "max_new_tokens": args.max_new_tokens,
               "verify_width": args.verify_width, "suites": {}}
     with relay_off(drafter, args.no_relay):
-        for suite in SUITES if args.suite == "all" else (args.suite,):
+        for suite in suite_names(args.suite):
             prompts = suite_prompts(tokenizer, suite, args.limit)
             result = measure_tau(target, drafter, prompts, suite, args.temperature, args.max_new_tokens, stops,
                                  args.batch, verify_width=args.verify_width, progress=True)
@@ -160,6 +161,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
+    from dflow_rt.data.prompts import SUITES
+
     p = argparse.ArgumentParser(prog="dflow-rt", description="Block-diffusion speculative decoding runtime.")
     sub = p.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="complete a prompt with speculative decoding")
@@ -167,6 +170,12 @@ def parser() -> argparse.ArgumentParser:
                    "for plain autoregressive decoding [dflash without --target, else none]")
     g.add_argument("--prompt", required=True)
     g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0,
+                   help="0 decodes greedily; above 0 samples, losslessly: the target's own distribution [0]")
+    g.add_argument("--top-k", type=int, default=0, help="sample among the K likeliest tokens; 0: all [0]")
+    g.add_argument("--top-p", type=float, default=1.0, help="sample within the smallest set of this mass [1]")
+    g.add_argument("--seed", type=int, default=None,
+                   help="sampling seed: the same seed gives the same text, with or without a drafter [random]")
     g.add_argument("--block-size", type=int, default=None, help="default: the drafter's block size")
     g.add_argument("--verify-width", type=int, default=None, metavar="K",
                    help="verify only the first K drafted positions: fewer cost less on CPU, any K is lossless "
@@ -177,6 +186,9 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--lookup", action=argparse.BooleanOptionalAction, default=True,
                    help="with the fallback, verify the text's own continuation where its last 3 tokens occurred "
                         "before, while that decodes faster; lossless either way [on]")
+    g.add_argument("--keep-timings", action=argparse.BooleanOptionalAction, default=True,
+                   help="with the fallback, start from what it learned in earlier runs of these models on this "
+                        "machine, and keep what it learns (under $DFLOW_RT_CACHE/timings) [on]")
     g.add_argument("--mode", choices=MODES, default=None,
                    help="eager starts at once; compile (torch.compile: minutes the first time, seconds from its "
                         "disk cache after) decodes faster; cudagraph needs CUDA [the tuned one, else compile on "
@@ -191,8 +203,10 @@ def parser() -> argparse.ArgumentParser:
     g.set_defaults(run=cmd_generate)
     e = sub.add_parser("eval-tau", help="acceptance length on held-out prompt suites")
     model_args(e, "dflash, dflow (bundled for the default target and smollm2) or a drafter directory [dflash]")
-    e.add_argument("--suite", choices=["code", "math", "chat", "all"], default="all",
-                   help="code: HumanEval prompts; math: held-out word problems; chat: held-out questions [all]")
+    e.add_argument("--suite", choices=[*SUITES, "public", "all"], default="all",
+                   help="code: HumanEval; mt-bench: MT-Bench's first turns; champ: CHAMP's competition problems "
+                        "(public: these three, written elsewhere); math, chat: held-out items of the project's own "
+                        "generators [all]")
     e.add_argument("--temperature", type=float, default=0.0, help="0 = greedy [0]")
     e.add_argument("--limit", type=int, default=None, help="first N prompts of each suite [all]")
     e.add_argument("--max-new-tokens", type=int, default=128)

@@ -100,7 +100,7 @@ def cmd_regen(args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     settings = RegenSettings(prompts=args.prompts, max_new_tokens=args.max_new_tokens, seed=args.seed,
                              batch=args.batch, max_prompt_tokens=args.max_prompt_tokens, stop_tail=args.stop_tail,
-                             first_prompt=args.first_prompt)
+                             first_prompt=args.first_prompt, mix=args.mix)
     out = regenerate(target_dir(args.target), args.out, settings, threads=args.threads, device=args.device)
     print(f"wrote {out}: {args.prompts} sequences ({time.perf_counter() - t0:.0f} s)")
 
@@ -111,6 +111,10 @@ def _regen_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", type=int, default=2000, help="training prompts: 40%% code, 30%% math, 30%% chat [2000]")
     p.add_argument("--max-new-tokens", type=int, default=256, help="greedy tokens per prompt [256]")
     p.add_argument("--seed", type=int, default=0, help="prompt selection [0]")
+    p.add_argument("--mix", choices=("project", "broad"), default="project",
+                   help="prompt sources: the project's own generators, or broad: code tasks from installed "
+                        "packages' docstrings, word problems of many kinds and phrasings, requests over many "
+                        "topics (dflow_rt.data.broad) [project]")
     p.add_argument("--first-prompt", type=int, default=0,
                    help="start at this training prompt: a later range of the same seed is fresh data [0]")
     p.add_argument("--batch", type=int, default=16, help="prompts decoded together [16]")

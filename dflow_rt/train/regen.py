@@ -25,18 +25,23 @@ def greedy_batch(target: Target, prompts: list[list[int]], max_new_tokens: int, 
                  stop_tail: int = 16) -> list[list[int]]:
     """Greedy continuations of several prompts at once over one static cache (rows at their own positions).
 
-    Each prompt is prefilled alone; decoding is batched. Equal to `dflow_rt.generate(target, None, p)`
-    token for token; a row ends `stop_tail` tokens after its first stop token.
+    Prompts of equal length are prefilled together (a batch of a thousand prompts of up to 128 tokens
+    takes about a hundred passes, not a thousand); decoding is batched. Equal to
+    `dflow_rt.generate(target, None, p)` token for token; a row ends `stop_tail` tokens after its
+    first stop token.
     """
     device = target.lm_head.weight.device
     n = len(prompts)
     cache = target.new_cache(n, max(map(len, prompts)) + max_new_tokens)
     nxt = torch.zeros(n, dtype=torch.long, device=device)
+    by_length: dict[int, list[int]] = {}
     for i, p in enumerate(prompts):
-        ids = torch.tensor([p], device=device)
-        logits, _ = target(ids, torch.arange(len(p), device=device)[None], cache, torch.tensor([i], device=device),
-                           logits_from=len(p) - 1)
-        nxt[i] = logits[0, -1].argmax()
+        by_length.setdefault(len(p), []).append(i)
+    for length, rows in by_length.items():
+        ids = torch.tensor([prompts[i] for i in rows], device=device)
+        pos = torch.arange(length, device=device).expand(len(rows), length)
+        logits, _ = target(ids, pos, cache, torch.tensor(rows, device=device), logits_from=length - 1)
+        nxt[rows] = logits[:, -1].argmax(-1)
     pos = torch.tensor([len(p) for p in prompts], device=device)
     out, left = [[] for _ in prompts], [max_new_tokens] * n
     for step in range(max_new_tokens):
@@ -64,6 +69,7 @@ class RegenSettings:
     max_prompt_tokens: int = 128  # longer prompts keep their end
     stop_tail: int = 16  # tokens kept after the first stop token
     first_prompt: int = 0
+    mix: str = "project"  # the training prompts' sources (`data.prompts.MIXES`)
 
 
 def regenerate(target_dir: str | Path, out: str | Path, settings: RegenSettings = RegenSettings(),
@@ -90,6 +96,8 @@ def regenerate(target_dir: str | Path, out: str | Path, settings: RegenSettings 
             "stop_tail": r.stop_tail, "stop_ids": stops, "kinds": list(KINDS), "vocab_size": target.config.vocab_size}
     if r.first_prompt:  # absent when 0: files written before the option stay byte-identical to new ones
         meta["first_prompt"] = r.first_prompt
+    if r.mix != "project":  # likewise
+        meta["mix"] = r.mix
     seqs, plens, kinds = [], [], []
     if partial.exists():
         done = load_sequences(partial)
@@ -99,7 +107,7 @@ def regenerate(target_dir: str | Path, out: str | Path, settings: RegenSettings 
     out.parent.mkdir(parents=True, exist_ok=True)
     bar = tqdm(total=r.prompts, initial=len(seqs), unit="prompt", smoothing=0.1)
     while len(seqs) < r.prompts:
-        items = [training_prompt(tokenizer, r.seed, r.first_prompt + i, r.max_prompt_tokens)
+        items = [training_prompt(tokenizer, r.seed, r.first_prompt + i, r.max_prompt_tokens, r.mix)
                  for i in range(len(seqs), min(r.prompts, len(seqs) + r.batch))]
         conts = greedy_batch(target, [ids for _, ids in items], r.max_new_tokens, set(stops), r.stop_tail)
         for (kind, ids), cont in zip(items, conts, strict=True):
