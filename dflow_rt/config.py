@@ -66,7 +66,11 @@ class RuntimeConfig:
     lookup: with ar_fallback, where a row's last 3 tokens occurred before in its prompt or output, a
     round may verify what followed them then (`dflow_rt.lookup`): no draft pass, a round at k, run
     while such rounds decode faster than the width the fallback chose (`ArFallback.lookup`); one
-    graph more per batch bucket. Greedy rounds only.
+    graph more per batch bucket and round variant (greedy, sampled).
+    keep_timings: with ar_fallback, what the fallback learned (round times and tokens per width, lookup
+    rounds' rate) is kept on disk per machine, models and settings (`dflow_rt.fallback.TimingsFile`),
+    so that a later Runtime starts at the width that won rather than learning it again: a process
+    answering one short request otherwise spends most of its rounds learning. False: start afresh.
     compile_cache: `compile` and `cudagraph` rounds are kept on disk (`dflow_rt.graphs.compile_cache`)
     and a later Runtime of the same shapes starts from them in seconds; False compiles afresh.
     sampling: False builds only the rounds in which no request samples (greedy), half the graphs
@@ -89,6 +93,7 @@ class RuntimeConfig:
     memory_limit: int | None = None  # bytes the preallocated state may take; None = the device's free memory
     kernels: str | dict[str, str] = "auto"
     compile_cache: bool = True
+    keep_timings: bool = True
     freeze: bool = False
     ar_fallback: bool | str = AUTO
     lookup: bool = True

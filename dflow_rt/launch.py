@@ -35,7 +35,7 @@ def runtime_config(args: argparse.Namespace, tuned, block: int, **sizes):
     config = RuntimeConfig(**sizes, block_size=args.block_size, mode=args.mode or AUTO,
                            verify_width=AUTO if args.verify_width is None else args.verify_width, tuned=False,
                            ar_fallback=AUTO if getattr(args, "ar_fallback", None) is None else args.ar_fallback,
-                           lookup=getattr(args, "lookup", True))
+                           lookup=getattr(args, "lookup", True), keep_timings=getattr(args, "keep_timings", True))
     return apply(config, tuned, block)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import hashlib
 import heapq
 import itertools
 import logging
@@ -25,7 +26,7 @@ import torch
 from dflow_rt import exact_codes, huge_pages
 from dflow_rt.config import RuntimeConfig
 from dflow_rt.errors import BusyError, InputError, RequestError
-from dflow_rt.fallback import ArFallback
+from dflow_rt.fallback import UNTIMED, ArFallback, TimingsFile
 from dflow_rt.graphs import compile_cache
 from dflow_rt.graphs.plan import RoundPlan
 from dflow_rt.graphs.runner import build_rounds, guard_failure
@@ -92,7 +93,16 @@ class Runtime:
         # compiled and captured rounds read each weight where it was when they were built (`step` checks)
         self._placed = [(p, p.data_ptr()) for m in (target, drafter) if m is not None for p in m.parameters()] \
             if c.mode != "eager" else []
-        self.fallback = ArFallback({n: plan.round_widths(n) for n in plan.rows}) if plan.ar_fallback else None
+        self.rounds_run = 0
+        self.fallback = self.sampled_fallback = self.timings = None  # greedy rounds' policy, sampled rounds'
+        if plan.ar_fallback:
+            widths = {n: plan.round_widths(n) for n in plan.rows}
+            self.fallback, self.sampled_fallback = ArFallback(widths), ArFallback(widths)
+            if c.keep_timings:
+                self.timings = TimingsFile(self._timings_key())
+                kept = self.timings.load()
+                self.fallback.restore(kept.get("greedy", {}))
+                self.sampled_fallback.restore(kept.get("sampled", {}))
         self.waiting: deque[Request] = deque()
         self.free_rows = list(range(c.max_batch))  # a heap: lowest rows first keeps buckets small
         self.requests: dict[int, Request] = {}
@@ -106,6 +116,17 @@ class Runtime:
         if c.mode == "eager" or c.compiler != "inductor" or not c.compile_cache or c.freeze:
             return None
         return compile_cache.Entry(*compile_cache.entry_key(self.target, self.drafter, self.plan.graph_settings()))
+
+    def _timings_key(self) -> str:
+        """The fallback's file: these models (their values too: another drafter accepts otherwise), these
+        rounds, on this machine and thread count (`compile_cache.entry_key`)."""
+        values = hashlib.sha256()
+        for m in (self.target, self.drafter):
+            for p in m.parameters() if m is not None else ():
+                values.update(p.detach().reshape(-1)[:16].float().cpu().numpy().tobytes())
+        settings = {**self.plan.graph_settings(), "rows": self.plan.rows, "widths": self.plan.widths,
+                    "values": values.hexdigest()[:16]}
+        return compile_cache.entry_key(self.target, self.drafter, settings)[0]
 
     def add_request(self, prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int = 256,
                     temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
@@ -217,9 +238,10 @@ class Runtime:
             return {}
         n, length = self.bucket(max(r.row for r in live) + 1, max(r.position for r in live))
         greedy = (n, length, True, self.plan.widths[n], False) in self.rounds and all(r.temperature == 0 for r in live)
-        width = self.plan.widths[n] if self.fallback is None else self.fallback.width(n)
-        drafts = self._lookup_drafts(live, self.plan.widths[n] - 1) if greedy and self.plan.lookup else None
-        lookup = drafts is not None and self.fallback.lookup(n, width)
+        policy = self.fallback if greedy else self.sampled_fallback
+        width = self.plan.widths[n] if policy is None else policy.width(n)
+        drafts = self._lookup_drafts(live, self.plan.widths[n] - 1) if self.plan.lookup else None
+        lookup = drafts is not None and policy.lookup(n, width)
         if lookup:
             width = self.plan.widths[n]
             self.state.lookup[[req.row for req in live], :width - 1] = drafts
@@ -230,7 +252,7 @@ class Runtime:
         for row, values in enumerate(out):
             if values[-1] and self.rows[row] is None:  # padding that went non-finite: clean before reuse
                 self.state.clean(row)
-        result, made = {}, []
+        result, made, ended = {}, [], False
         for req in live:
             if out[req.row][-1]:
                 result[req.rid] = []
@@ -252,11 +274,17 @@ class Runtime:
             result[req.rid] = tokens
             if req.finished or len(req.emitted) >= req.max_new_tokens:
                 self._finish(req)
-        if self.fallback is not None and made:
+                ended = True
+        self.rounds_run += 1
+        if policy is not None and made:
+            seconds = seconds if self.rounds_run > UNTIMED else None  # cold caches: counted, not timed
             if lookup:
-                self.fallback.record_lookup(n, seconds, made)
+                policy.record_lookup(n, seconds, made)
             else:
-                self.fallback.record(n, width, seconds, made)
+                policy.record(n, width, seconds, made)
+            if ended and self.timings is not None:
+                self.timings.save({"greedy": self.fallback.state(), "sampled": self.sampled_fallback.state()},
+                                  force=self.timings.saved_at is None)
         return result
 
     def _lookup_drafts(self, live: list[Request], count: int) -> torch.Tensor | None:

@@ -24,6 +24,15 @@ FIXTURES_LAST_LAYER = Path(__file__).parent / "fixtures" / "dflash_reference_las
 REFERENCE_FIXTURES = (FIXTURES, FIXTURES_LAST_LAYER)
 
 
+@pytest.fixture(autouse=True)
+def fresh_timings(tmp_path, monkeypatch):
+    """Each test's Runtimes keep their fallback timings apart (`RuntimeConfig.keep_timings`): a choice
+    of widths learned by one test would otherwise steer the next."""
+    from dflow_rt.fallback import TimingsFile
+
+    monkeypatch.setattr(TimingsFile, "directory", staticmethod(lambda: tmp_path / "timings"))
+
+
 def load_pair(directory: Path):
     import dflow_rt
 

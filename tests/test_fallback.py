@@ -2,6 +2,8 @@
 rounds it runs (lossless, and a plain step keeps the drafter's context, so drafting resumes where it
 would have been)."""
 
+import json
+
 import pytest
 
 import dflow_rt
@@ -156,3 +158,50 @@ def test_compiled_rounds_have_every_width_of_the_choice_per_bucket(reference_pai
     assert rt.generate(prompts, max_new_tokens=40) == [c["output_ids"][:40] for c in CASES[:2]]
     off = Runtime(target, drafter, RuntimeConfig(max_batch=2, max_len=160, mode="eager", verify_width=2))
     assert off.fallback is None and {key[3] for key in off.rounds} == {2}
+
+
+def test_what_a_policy_learned_carries_over_to_a_new_one():
+    """Plain steps won: a policy restored from that state starts with them, and goes on with the same
+    retry schedule; a state for other widths, or one that does not parse, leaves a policy as new."""
+    learned = ArFallback({1: (1, 2)})
+    for i in range(200):
+        w = learned.width(1)
+        learned.record(1, w, K2[w], [min(int(i % 4 == 0) + 1, w)])
+    assert learned.width(1) == 1
+    state = json.loads(json.dumps(learned.state()))  # as the file holds it
+    restored = ArFallback({1: (1, 2)})
+    restored.restore(state)
+    assert restored.width(1) == 1 and restored.state() == learned.state()
+    for policy in (learned, restored):
+        for _ in range(3 * LONGEST_RETRY):
+            w = policy.width(1)
+            policy.record(1, w, K2[w], [1])
+    assert restored.state() == learned.state()
+    for other, bad in ((ArFallback({1: (1, 2, 4)}), state), (ArFallback({1: (1, 2)}), {"1": {"widths": [1, 2]}}),
+                       (ArFallback({1: (1, 2)}), {"1": "x"})):
+        fresh = json.dumps(other.state())
+        other.restore(bad)
+        assert json.dumps(other.state()) == fresh
+
+
+def test_a_runtime_keeps_its_fallbacks_timings_for_the_next(reference_pair):
+    target, drafter = reference_pair
+    config = RuntimeConfig(max_batch=1, max_len=160, mode="eager", verify_width=None, ar_fallback=True,
+                           emit_mask_token=True)
+    rt = Runtime(target, drafter, config)
+    assert rt.timings is not None and not rt.timings.path.exists()
+    rt.generate([CASES[0]["prompt_ids"]], max_new_tokens=30)
+    first = json.loads(rt.timings.path.read_text())  # the first request's end writes at once
+    assert first["greedy"] == rt.fallback.state()
+    rt.timings.SAVE_EVERY = 0.0  # later ones at most every few seconds: here every time
+    rt.generate([CASES[1]["prompt_ids"]], max_new_tokens=30, temperature=0.7, seed=1)
+    kept = json.loads(rt.timings.path.read_text())
+    assert kept == {"greedy": rt.fallback.state(), "sampled": rt.sampled_fallback.state()}
+    assert kept["greedy"]["1"]["seconds"] and kept["greedy"] != ArFallback({1: rt.plan.round_widths(1)}).state()
+    again = Runtime(target, drafter, config)
+    assert again.timings.path == rt.timings.path and again.fallback.state() == kept["greedy"]
+    assert again.sampled_fallback.state() == kept["sampled"]
+    other = Runtime(target, random_relay(drafter, seed=2), config)  # another drafter accepts otherwise
+    assert other.timings.path != rt.timings.path
+    off = Runtime(target, drafter, RuntimeConfig(**{**config.__dict__, "keep_timings": False}))
+    assert off.timings is None and off.fallback.state() == ArFallback({1: rt.plan.round_widths(1)}).state()

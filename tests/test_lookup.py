@@ -89,24 +89,35 @@ def test_lookup_rounds_keep_the_drafters_context(reference_pair):
     assert again.emitted == stepped.emitted[done - 1:] and again.acceptance == stepped.acceptance[m:]
 
 
-def test_lookup_rounds_are_greedy_only_and_off_on_request(reference_pair):
+def test_lookup_rounds_serve_greedy_and_sampled_rows_losslessly_and_are_off_on_request(reference_pair):
+    """A looked-up token is a point-mass draft, as the drafter's argmax is: the sampled verify accepts
+    it while the target's own draw agrees, so a sampled row decodes what plain sampling with its seed
+    decodes."""
     target, drafter = reference_pair
     settings = dict(max_batch=1, max_len=160, mode="compile", compiler="aot_eager", length_buckets=(64,),
-                    verify_width="auto", ar_fallback=True)
+                    verify_width="auto", ar_fallback=True, emit_mask_token=True)
     rt = Runtime(target, drafter, RuntimeConfig(**settings))
     lookups = [key for key in rt.rounds if key[4]]
-    assert lookups and all(key[2] and key[3] == rt.plan.widths[key[0]] for key in lookups)
+    assert {key[2] for key in lookups} == {True, False} and all(key[3] == rt.plan.widths[key[0]] for key in lookups)
     prompt = repeating_prompts(target, drafter)[0]
-    rt.fallback.width = lambda rows: 1
+    for policy in (rt.fallback, rt.sampled_fallback):
+        policy.width, policy.lookup = (lambda rows: 1), (lambda rows, width: True)
+    plain = Runtime(target, None, RuntimeConfig(max_batch=1, max_len=160, mode="eager"))
 
-    def run(**sampling):
-        rid = rt.add_request(prompt, max_new_tokens=30, **sampling)
-        while not rt.is_finished(rid):
-            rt.step()
-        return rt.pop(rid)
+    def run(runtime, **sampling):
+        rid = runtime.add_request(prompt, max_new_tokens=30, **sampling)
+        while not runtime.is_finished(rid):
+            runtime.step()
+        return runtime.pop(rid)
 
-    assert run().lookup_rounds > 0  # greedy: the text offers drafts
-    assert run(temperature=0.8, seed=3).lookup_rounds == 0  # a sampling row: plain steps
+    greedy = run(rt)
+    assert greedy.lookup_rounds > 0 and greedy.emitted == run(plain).emitted
+    looked_up = 0
+    for seed in (3, 4, 5, 6):
+        sampled = run(rt, temperature=0.4, seed=seed)
+        assert sampled.emitted == run(plain, temperature=0.4, seed=seed).emitted
+        looked_up += sampled.lookup_rounds
+    assert looked_up > 0
     off = Runtime(target, drafter, RuntimeConfig(**settings, lookup=False))
     assert not off.plan.lookup and not any(key[4] for key in off.rounds)
 
@@ -121,8 +132,10 @@ def test_lookup_rounds_run_while_their_rate_beats_the_width_they_replace():
     assert all(fallback.lookup(1, 1) for _ in range(3 * LOOKUP_RETRY))
     for _ in range(WINDOW):  # the whole window of lookup timings
         fallback.record_lookup(1, 0.020, [1.5])  # 75 tokens/s: plain steps win
-    chances = [fallback.lookup(1, 1) for _ in range(3 * LOOKUP_RETRY)]
-    assert [i for i, c in enumerate(chances) if c] == [LOOKUP_RETRY - 1, 2 * LOOKUP_RETRY - 1, 3 * LOOKUP_RETRY - 1]
+    chances = [fallback.lookup(1, 1) for _ in range(15 * LOOKUP_RETRY)]  # retries back off while they lose
+    assert [i for i, c in enumerate(chances) if c] == [LOOKUP_RETRY - 1, 3 * LOOKUP_RETRY - 1, 7 * LOOKUP_RETRY - 1,
+                                                       15 * LOOKUP_RETRY - 1]
     for _ in range(WINDOW):
         fallback.record_lookup(1, 0.010, [1.5])  # 150 tokens/s again
     assert fallback.lookup(1, 1) and fallback.lookup(1, 2)  # faster than plain steps; width 2 not timed yet
+    assert fallback.buckets[1].lookup_interval == LOOKUP_RETRY  # and the next losing stretch backs off anew

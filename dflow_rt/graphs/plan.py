@@ -26,7 +26,7 @@ class RoundPlan:
     widths: dict[int, int]  # verify width per batch bucket
     sampling: bool  # rounds in which a row samples are built (RuntimeConfig.sampling); else only greedy ones
     ar_fallback: bool  # each bucket also has rounds at widths 1 (no draft pass) and ceil(k / 2): `round_widths`
-    lookup: bool  # with the fallback, each bucket also has a greedy round at k from the host's drafts (`graphs`)
+    lookup: bool  # with the fallback, each bucket also has a round at k from the host's drafts (`graphs`)
     block_size: int  # B: 1 without a drafter
     filler: int  # block slots 1.. before drafting: the drafter's mask token (0 without a drafter)
     exclude: int | None  # the token no choice may be (`sampling.excluded_token`)
@@ -80,10 +80,11 @@ class RoundPlan:
 
     def graphs(self, variants: tuple[bool, ...]) -> list[tuple[int, bool, int, bool]]:
         """(rows, greedy, width, lookup) of every round graph, for the greedy `variants` built: each
-        bucket's `round_widths` in each variant, and with `lookup` a greedy round at the bucket's k
-        whose drafts the host writes (`dflow_rt.lookup`; sampled text repeats itself less)."""
+        bucket's `round_widths` in each variant, and with `lookup` a round at the bucket's k whose
+        drafts the host writes (`dflow_rt.lookup`), also in each variant: a looked-up token is a
+        point-mass draft like the drafter's argmax, which the sampled verify accepts losslessly."""
         drafted = [(n, g, k, False) for n in self.rows for g in variants for k in self.round_widths(n)]
-        return drafted + [(n, True, self.widths[n], True) for n in self.rows if self.lookup and True in variants]
+        return drafted + [(n, g, self.widths[n], True) for n in self.rows for g in variants if self.lookup]
 
 
 def static_length(max_len: int) -> int:

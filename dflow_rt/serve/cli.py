@@ -7,6 +7,7 @@ seconds, ends the rest (their clients get an error), and exits with status 0.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 from pathlib import Path
@@ -36,9 +37,13 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--verify-width", type=int, default=None, metavar="K", help="as for generate")
     s.add_argument("--ar-fallback", action=argparse.BooleanOptionalAction, default=None, help="as for generate")
     s.add_argument("--lookup", action=argparse.BooleanOptionalAction, default=True, help="as for generate [on]")
+    s.add_argument("--keep-timings", action=argparse.BooleanOptionalAction, default=True, help="as for generate [on]")
     s.add_argument("--mode", choices=MODES, default=None, help="as for generate [the tuned one, else per device]")
     s.add_argument("--dtype", choices=DTYPES, default=None, help="as for generate")
     add_tuned_args(s)
+    s.add_argument("--api-key", default=None,
+                   help="every route but /health then needs `Authorization: Bearer KEY` (401 otherwise); also from "
+                        "the environment variable DFLOW_RT_API_KEY [none: anyone who reaches the port is served]")
     s.add_argument("--served-model-name", default=None,
                    help="the `model` clients must send [the --target name or directory name, else bundled]")
     s.add_argument("--shutdown-grace", type=float, default=10.0,
@@ -69,6 +74,11 @@ def build_engine(args: argparse.Namespace):
     return engine, name
 
 
+def api_key_of(args: argparse.Namespace) -> str | None:
+    """--api-key, else $DFLOW_RT_API_KEY (kept out of the process list), else None: no key."""
+    return args.api_key or os.environ.get("DFLOW_RT_API_KEY") or None
+
+
 def cmd_serve(args: argparse.Namespace) -> None:
     try:
         import uvicorn
@@ -85,7 +95,11 @@ def cmd_serve(args: argparse.Namespace) -> None:
             engine.drain(args.shutdown_grace)
             super().handle_exit(sig, frame)
 
-    app = create_app(engine, name, args.shutdown_grace)
+    api_key = api_key_of(args)
+    if api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"dflow-rt: warning: serving on {args.host} without an API key: anyone who reaches the port is "
+              f"served (--api-key or DFLOW_RT_API_KEY)", file=sys.stderr, flush=True)
+    app = create_app(engine, name, args.shutdown_grace, api_key)
     server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                    timeout_graceful_shutdown=int(args.shutdown_grace) + 5))
     print(f"dflow-rt: serving {name!r} on http://{args.host}:{args.port}/v1 (mode {engine.rt.config.mode}, "
