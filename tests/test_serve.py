@@ -8,6 +8,7 @@ that request (and once from `dflow-rt generate`).
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import http.client
 import json
@@ -398,3 +399,42 @@ def test_plain_target_steps_are_served(pair, alone):
         engine.close()
     assert finish in ("length", "stop") and text == alone(prompt, 24)[0]
     assert next(rounds) > 4  # several rounds of each kind ran
+
+
+def test_an_api_key_guards_every_route_but_health(pair, monkeypatch):
+    """With a key, a request without it or with another gets 401 as an OpenAI error (the official client
+    raises AuthenticationError); /health stays open for probes. The CLI takes the key from --api-key or
+    DFLOW_RT_API_KEY."""
+    from dflow_rt.serve.cli import api_key_of
+
+    target, drafter, tokenizer = pair
+    engine = Engine(Runtime(target, drafter, fixed(max_batch=2, max_len=MAX_LEN)), tokenizer, max_queue=2,
+                    stop_token_ids=stop_token_ids(tokenizer))
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    base = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    srv = uvicorn.Server(uvicorn.Config(create_app(engine, MODEL, 1.0, api_key="s3cret"), log_level="warning"))
+    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: srv.started, 30, "the server to start")
+        good = openai.OpenAI(base_url=base + "/v1", api_key="s3cret", max_retries=0, timeout=60)
+        assert good.completions.create(model=MODEL, prompt="def f(x):", max_tokens=4, temperature=0).choices[0].text
+        assert [m.id for m in good.models.list()] == [MODEL]
+        for key in ("s3cre", "s3cret2", "S3CRET"):
+            with pytest.raises(openai.AuthenticationError) as err:
+                openai.OpenAI(base_url=base + "/v1", api_key=key, max_retries=0).models.list()
+            assert err.value.status_code == 401 and err.value.body["code"] == "invalid_api_key"
+        for path in ("/v1/models", "/metrics", "/nowhere"):
+            with pytest.raises(urllib.error.HTTPError) as err:
+                urllib.request.urlopen(base + path, timeout=10)
+            assert err.value.code == 401 and json.loads(err.value.read())["error"]["code"] == "invalid_api_key"
+        assert json.loads(urllib.request.urlopen(base + "/health", timeout=10).read())["status"] == "ok"
+    finally:
+        srv.should_exit = True
+        thread.join(15)
+    monkeypatch.setenv("DFLOW_RT_API_KEY", "from-env")
+    assert api_key_of(argparse.Namespace(api_key=None)) == "from-env"
+    assert api_key_of(argparse.Namespace(api_key="flag")) == "flag"
+    monkeypatch.setenv("DFLOW_RT_API_KEY", "")
+    assert api_key_of(argparse.Namespace(api_key=None)) is None

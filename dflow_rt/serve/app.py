@@ -3,13 +3,15 @@ sse-starlette (server-sent events, client hang-ups).
 
 Every error is an OpenAI error object `{"error": {"message", "type", "param", "code"}}`: 400 for
 a body the client can fix (malformed, unknown or ill-typed fields, a prompt beyond the context),
-404 for an unknown model or route, 429 with `Retry-After` when the queue is full, 500 for a
-request that failed while decoding (only that one), 503 while shutting down.
+401 for a missing or wrong API key (when the server has one), 404 for an unknown model or route,
+429 with `Retry-After` when the queue is full, 500 for a request that failed while decoding (only
+that one), 503 while shutting down.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import time
 import uuid
@@ -26,8 +28,8 @@ from dflow_rt.serve.engine import Engine, Event, Handle, Params, Refused
 from dflow_rt.serve.schemas import ChatRequest, CompletionRequest, Sampling
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # the OpenAI completions default; chat defaults to the rest of the context
-ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 429: "rate_limit_error", 500: "server_error",
-               503: "service_unavailable"}
+ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "not_found_error",
+               429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}
 STATUS_OF_FINISH = {"error": 500, "shutdown": 503}
 
 
@@ -58,8 +60,9 @@ def chat_ids(tokenizer, request: ChatRequest) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def create_app(engine: Engine, model_name: str, shutdown_grace_s: float = 10.0) -> FastAPI:
-    """The app; its lifespan starts the engine thread and, at shutdown, ends what is left."""
+def create_app(engine: Engine, model_name: str, shutdown_grace_s: float = 10.0, api_key: str | None = None) -> FastAPI:
+    """The app; its lifespan starts the engine thread and, at shutdown, ends what is left. With
+    `api_key`, every route but /health answers only requests that carry `Authorization: Bearer KEY`."""
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -72,6 +75,19 @@ def create_app(engine: Engine, model_name: str, shutdown_grace_s: float = 10.0) 
     app = FastAPI(title="dflow-rt", lifespan=lifespan)
     app.state.engine = engine
     created = int(time.time())
+
+    if api_key:
+        expected = f"Bearer {api_key}".encode()
+
+        @app.middleware("http")
+        async def _authorized(request: Request, call_next):
+            given = request.headers.get("authorization", "").encode()
+            if request.url.path != "/health" and not hmac.compare_digest(given, expected):  # constant time
+                what = "a wrong API key" if given else "no API key"
+                return error_response(401, f"this server needs an API key (Authorization: Bearer KEY); the request "
+                                           f"carried {what}", code="invalid_api_key",
+                                      headers={"WWW-Authenticate": "Bearer"})
+            return await call_next(request)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
