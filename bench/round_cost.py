@@ -4,7 +4,7 @@ first, medians over prompts.
 
     python bench/round_cost.py --target smollm2 --drafter dflash --verify-width 2 4 --prompts 6
     python bench/round_cost.py --attention torch cpu   # each Runtime once per attention implementation
-    python bench/round_cost.py --device cuda --shape qwen3-0.6b --verify-width 2 4 8 16  # (gpu_check.sh)
+    python bench/round_cost.py --device cuda --shape qwen3-0.6b --verify-width 2 4 8 16  # (gpu_run.sh)
 
 The first AR row named is the unit of every row's "AR steps". On CPU each width also gets the cost
 of its arithmetic: the target's products at k rows are k times an AR step's multiply-adds, timed at

