@@ -82,9 +82,14 @@ class _Bucket:
         return None if tokens is None or not seconds else tokens / statistics.median(seconds)
 
     def best(self) -> int:
-        """The measured width of the highest rate (the current one while nothing else is measured)."""
+        """The measured width of the highest rate (the current one while nothing else is measured); plain
+        steps unless a drafted width beats them by MARGIN: a near tie is noise, and a plain step never loses
+        to `--drafter none`."""
         rates = {j: r for j in self.widths if (r := self.rate(j)) is not None}
-        return max(rates, key=rates.get) if rates else self.current
+        if not rates:
+            return self.current
+        top = max(rates, key=rates.get)
+        return 1 if top != 1 and 1 in rates and rates[top] < MARGIN * rates[1] else top
 
 
 class ArFallback:
