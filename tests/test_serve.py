@@ -100,19 +100,24 @@ def alone(pair):
     return run
 
 
+def in_process(app) -> tuple[str, uvicorn.Server, threading.Thread]:
+    """`app` served on a free loopback port from a thread: (base URL, server, thread), once it listens."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    wait_for(lambda: srv.started, 30, "the server to start")
+    return f"http://127.0.0.1:{sock.getsockname()[1]}", srv, thread
+
+
 @pytest.fixture(scope="module")
 def server(pair):
     """The in-process server: (base URL, engine, openai client)."""
     target, drafter, tokenizer = pair
     engine = Engine(Runtime(target, drafter, fixed(max_batch=16, max_len=MAX_LEN)), tokenizer, max_queue=16,
                     stop_token_ids=stop_token_ids(tokenizer))
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    base = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    srv = uvicorn.Server(uvicorn.Config(create_app(engine, MODEL, 1.0), log_level="warning"))
-    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    wait_for(lambda: srv.started, 30, "the server to start")
+    base, srv, thread = in_process(create_app(engine, MODEL, 1.0))
     client = openai.OpenAI(base_url=base + "/v1", api_key="test", max_retries=0, timeout=60)
     yield base, engine, client
     srv.should_exit = True
@@ -410,14 +415,8 @@ def test_an_api_key_guards_every_route_but_health(pair, monkeypatch):
     target, drafter, tokenizer = pair
     engine = Engine(Runtime(target, drafter, fixed(max_batch=2, max_len=MAX_LEN)), tokenizer, max_queue=2,
                     stop_token_ids=stop_token_ids(tokenizer))
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    base = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    srv = uvicorn.Server(uvicorn.Config(create_app(engine, MODEL, 1.0, api_key="s3cret"), log_level="warning"))
-    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
+    base, srv, thread = in_process(create_app(engine, MODEL, 1.0, api_key="s3cret"))
     try:
-        wait_for(lambda: srv.started, 30, "the server to start")
         good = openai.OpenAI(base_url=base + "/v1", api_key="s3cret", max_retries=0, timeout=60)
         assert good.completions.create(model=MODEL, prompt="def f(x):", max_tokens=4, temperature=0).choices[0].text
         assert [m.id for m in good.models.list()] == [MODEL]
