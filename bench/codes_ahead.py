@@ -1,5 +1,5 @@
 """How far ahead the products over exact codes prefetch their stream (`kAhead` in
-`dflow_rt/models/cpu_gemv.cpp`): the kernel's source built once per distance as a library of its
+`dflow_rt/kernels/cpu/gemv.cpp`): the kernel's source built once per distance as a library of its
 own, each checked bit-identical to the shipped kernel, then timed on one step's products over a
 real target's codes (every coded weight once), distances interleaved, each pass after a read of
 256 MB that evicts the codes from the caches, as a decode step finds them.
@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from dflow_rt import exact_codes
-from dflow_rt.models import cpu_gemv
+from dflow_rt.kernels.cpu import ops as cpu_ops
+from dflow_rt.models import exact_codes
 from dflow_rt.models.bundled import load_models
 
 
@@ -34,17 +34,17 @@ def build(ahead: int, root: Path):
 
     namespace = f"ahead_{ahead}"
     defs = "".join(f'  m.def("gemv_{k}(Tensor x, Tensor codes) -> Tensor", &coded_gemv<{k.upper()}>);\n'
-                   for k in cpu_gemv.CODE_KINDS)
+                   for k in cpu_ops.CODE_KINDS)
     registration = f"TORCH_LIBRARY({namespace}, m) {{\n{defs}}}\n"
     src, n = re.subn(r"TORCH_LIBRARY_IMPL\(dflow_rt, CPU, m\) \{.*?\n\}\n", registration,
-                     cpu_gemv.SOURCE.read_text(), flags=re.S)
+                     cpu_ops.SOURCE.read_text(), flags=re.S)
     assert n == 1, "the kernel's registration changed: update this script"
     out = root / namespace
     out.mkdir()
     (out / "gemv.cpp").write_text(src)
-    shutil.copy(cpu_gemv.HEADER, out / cpu_gemv.HEADER.name)
+    shutil.copy(cpu_ops.HEADER, out / cpu_ops.HEADER.name)
     options = CppTorchOptions(vec_isa=pick_vec_isa(), include_pytorch=True, shared=True,
-                              extra_flags=(*cpu_gemv.FLAGS, f"-DDFLOW_RT_CODES_AHEAD={ahead}"))
+                              extra_flags=(*cpu_ops.FLAGS, f"-DDFLOW_RT_CODES_AHEAD={ahead}"))
     builder = CppBuilder(name=namespace, sources=[str(out / "gemv.cpp")], BuildOption=options, output_dir=str(out))
     builder.build()
     torch.ops.load_library(builder.get_target_file_path())
@@ -61,9 +61,9 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=7, help="interleaved passes over all distances")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    assert cpu_gemv.enabled(), "the CPU product kernel does not build or load here"
+    assert cpu_ops.enabled(), "the CPU product kernel does not build or load here"
     target, _, _ = load_models(args.target, None, "cpu", args.threads, True, None)
-    layers = {id(m.weight): m for m in target.modules() if isinstance(m, cpu_gemv.Linear)}.values()
+    layers = {id(m.weight): m for m in target.modules() if isinstance(m, cpu_ops.Linear)}.values()
     coded = [(m.weight.shape[1], c) for m in layers if (c := exact_codes.encode(m.weight)) is not None]
     mb = sum(c.codes.numel() for _, c in coded) / 1e6
     with tempfile.TemporaryDirectory() as root:

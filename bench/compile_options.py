@@ -91,7 +91,7 @@ def main() -> None:
                     sys.exit(out.stderr[-2000:])
                 rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
                 print(rows[-1], flush=True)
-    from dflow_rt.tuned import cpu_model
+    from dflow_rt.engine.tuned import cpu_model
 
     result = {"cpu": cpu_model(), "date": time.strftime("%Y-%m-%d"), "threads": args.threads, "rows": rows}
     if args.json:

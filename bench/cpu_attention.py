@@ -1,4 +1,4 @@
-"""The CPU attention kernel (`dflow_rt/models/cpu_attention.cpp`) against SDPA over the dense mask (what
+"""The CPU attention kernel (`dflow_rt/kernels/cpu/attention.cpp`) against SDPA over the dense mask (what
 the `torch` attention runs), one decoder step's attention (every layer once) per query-row count and
 context, at a target's attention shape, the two interleaved; results are checked close first.
 
@@ -19,10 +19,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from dflow_rt.kernels.attention import attention_torch
-from dflow_rt.models import cpu_gemv
+from dflow_rt.kernels.attention import attention_torch, cache_mask
+from dflow_rt.kernels.cpu import ops as cpu_ops
 from dflow_rt.models.bundled import load_models
-from dflow_rt.models.layers import cache_mask
 
 
 def main() -> None:
@@ -34,7 +33,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=9, help="interleaved passes over both implementations")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    assert cpu_gemv.enabled(), "the CPU kernels do not build or load here"
+    assert cpu_ops.enabled(), "the CPU kernels do not build or load here"
     target, _, _ = load_models(args.target, None, "cpu", args.threads, True, None)
     c = target.config
     layers, heads, kv_heads, d = c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.head_dim

@@ -1,6 +1,6 @@
 """How fast products of a few rows stream their weights on CPU: torch's GEMM library (eager; frozen
 and compiled, with and without inductor's C++ GEMM templates) and our kernel (`dflow_rt/models/
-cpu_gemv.cpp`), next to a plain read of the same bytes. One thread by default; rows 1 is a decode
+kernels/cpu/gemv.cpp`), next to a plain read of the same bytes. One thread by default; rows 1 is a decode
 step, 2-16 a verify pass.
 
     python bench/cpu_gemv.py --threads 1 --rows 1 2 4 16
@@ -17,7 +17,7 @@ import torch._inductor.config as inductor
 import torch.nn.functional as F
 from torch import nn
 
-from dflow_rt.models import cpu_gemv
+from dflow_rt.kernels.cpu import ops as cpu_ops
 
 
 def timed(fn, x, repeats: int) -> float:
@@ -45,7 +45,7 @@ def main() -> None:
     model = nn.ModuleList(nn.Linear(n_in, n_out, bias=False) for _ in range(args.products)).eval()
     gb = args.products * n_out * n_in * 4 / 1e9
     flat = torch.cat([m.weight.flatten() for m in model])
-    kernel = cpu_gemv.enabled()
+    kernel = cpu_ops.enabled()
 
     def forward(x):
         return [F.linear(x, m.weight) for m in model]

@@ -16,8 +16,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from dflow_rt.config import RuntimeConfig
-from dflow_rt.reference import generate
-from dflow_rt.runtime import Runtime
+from dflow_rt.engine.runtime import Runtime
+from dflow_rt.oracle import generate
 
 
 @dataclass
@@ -56,7 +56,7 @@ def runtime_runner(target, drafter, config: RuntimeConfig, stops: Sequence[int])
 
 
 def reference_runner(target, drafter, stops: Sequence[int]) -> Runner:
-    """`dflow_rt.reference.generate`, the batch-1 reference round: its first token comes from prefill."""
+    """`dflow_rt.oracle.generate`, the batch-1 reference round: its first token comes from prefill."""
 
     def run(prompts: list[list[int]], max_new: int) -> Run:
         (prompt,) = prompts

@@ -18,11 +18,11 @@ import time
 import torch
 
 from dflow_rt.data.prompts import SUITES, suite_prompts
+from dflow_rt.engine.tuned import cpu_model
 from dflow_rt.eval.tau import mean, measure_tau, sem
 from dflow_rt.models.bundled import drafter_dir, target_dir
 from dflow_rt.models.checkpoint import load_drafter, load_target
 from dflow_rt.tokenizer import load_tokenizer, stop_token_ids
-from dflow_rt.tuned import cpu_model
 
 
 def main() -> None:

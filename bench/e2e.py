@@ -29,7 +29,6 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from dflow_rt import exact_codes
 from dflow_rt.bench.decoders import Run, Runner, hf_runner, reference_runner, runtime_runner
 from dflow_rt.bench.report import (
     best_width,
@@ -43,6 +42,7 @@ from dflow_rt.bench.report import (
 )
 from dflow_rt.config import DTYPES, RuntimeConfig
 from dflow_rt.errors import CheckpointError, DflowError, InputError
+from dflow_rt.models import exact_codes
 from dflow_rt.models.bundled import pick_device
 
 BUNDLED_PAIR = ("dflash", "dflow")  # the drafters bundled for a target, benchmarked by default
@@ -224,7 +224,7 @@ def bench_target(spec: str, args, device: torch.device, modes: list[str], dtypes
 
 
 def coded(target) -> str:
-    """How the note names a target whose products stream exact codes (`dflow_rt.exact_codes`)."""
+    """How the note names a target whose products stream exact codes (`dflow_rt.models.exact_codes`)."""
     kinds = exact_codes.kinds(target)
     n = len(kinds) - kinds.count("float32")
     return f" ({n} of {len(kinds)} weights as exact codes)" if n else ""

@@ -19,8 +19,8 @@ import time
 
 import torch
 
-from dflow_rt import exact_codes
-from dflow_rt.models import cpu_gemv
+from dflow_rt.kernels.cpu import ops as cpu_ops
+from dflow_rt.models import exact_codes
 from dflow_rt.models.bundled import load_models
 
 
@@ -33,13 +33,13 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=7, help="interleaved passes over both kernels")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    assert cpu_gemv.enabled(), "the CPU product kernel does not build or load here"
+    assert cpu_ops.enabled(), "the CPU product kernel does not build or load here"
     target, drafter, _ = load_models(args.target, args.drafter, "cpu", args.threads, True, None)
-    layers = list({id(m.weight): m for m in target.modules() if isinstance(m, cpu_gemv.Linear)}.values())
+    layers = list({id(m.weight): m for m in target.modules() if isinstance(m, cpu_ops.Linear)}.values())
     evict = None
     if drafter is not None:
         shared = {m.weight.data_ptr() for m in layers}
-        layers = [m for m in drafter.modules() if isinstance(m, cpu_gemv.Linear) and m.weight.data_ptr() not in shared]
+        layers = [m for m in drafter.modules() if isinstance(m, cpu_ops.Linear) and m.weight.data_ptr() not in shared]
         evict = torch.ones(64 << 20)
     t0 = time.perf_counter()
     codes = [exact_codes.encode(m.weight) for m in layers]
@@ -54,13 +54,13 @@ def main() -> None:
     for rows in args.rows:
         for w, c in zip(weights, codes, strict=True):
             x = torch.randn(rows, w.shape[1])
-            assert torch.equal(cpu_gemv.linear(x, w, codes=c), torch.ops.dflow_rt.gemv(x, w)), "codes changed a result"
+            assert torch.equal(cpu_ops.linear(x, w, codes=c), torch.ops.dflow_rt.gemv(x, w)), "codes changed a result"
     print("every coded product bit-identical to the float32 kernel's")
     flat = torch.cat([w.flatten() for w in weights])
 
     def step(xs: dict[int, torch.Tensor], use_codes: bool) -> None:
         for w, c in zip(weights, codes, strict=True):
-            cpu_gemv.linear(xs[w.shape[1]], w, codes=c if use_codes else None)
+            cpu_ops.linear(xs[w.shape[1]], w, codes=c if use_codes else None)
 
     def timed(fn, *fn_args) -> float:
         if evict is not None:

@@ -6,7 +6,7 @@ among its first w - 1, and costs `cost[w]` plain steps (width 1 is the target st
 case's rounds fall into equal stretches of text, one p each; in the "requests" cases each stretch is
 a new request, which the policy hears of through `admitted` where it has that method, as from the
 Runtime. Every round's time has lognormal jitter and a few rounds take twice as long, as on a shared
-CPU. The policy (`dflow_rt.fallback.ArFallback`, or any file defining one, given with --baseline for
+CPU. The policy (`dflow_rt.engine.policy.ArFallback`, or any file defining one, given with --baseline for
 a side-by-side) sees only those timings and token counts, as in the Runtime.
 Figures are simulated tokens/s, means over seeds; "best" is the best fixed width.
 
@@ -21,7 +21,7 @@ import random
 import statistics
 import sys
 
-from dflow_rt.fallback import ArFallback
+from dflow_rt.engine.policy import ArFallback
 
 PLAIN_S = 0.025  # a plain step's time; only ratios matter
 K2 = {1: 1.0, 2: 1.24}  # round cost in plain steps per width: compiled SmolLM2 rounds on a 2-core AVX2 CPU

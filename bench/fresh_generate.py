@@ -33,7 +33,7 @@ from dflow_rt.data.prompts import SUITES, suite_texts
 
 
 def run(args: argparse.Namespace, flags: list[str], prompt: str, chat: bool, temperature: float, seed: int) -> dict:
-    cmd = [sys.executable, "-m", "dflow_rt.cli", "generate", "--target", args.target, "--prompt", prompt,
+    cmd = [sys.executable, "-m", "dflow_rt", "generate", "--target", args.target, "--prompt", prompt,
            "--max-new-tokens", str(args.max_new_tokens), "--temperature", str(temperature), "--seed", str(seed),
            "--json", *flags] + (["--threads", str(args.threads)] if args.threads else []) + (["--chat"] if chat else [])
     done = subprocess.run(cmd, capture_output=True, text=True)
@@ -67,7 +67,7 @@ def main() -> None:
         name, _, flags = spec.partition("=")
         arms[name] = flags.split()
     if args.forget_timings:
-        from dflow_rt.fallback import TimingsFile
+        from dflow_rt.engine.policy import TimingsFile
 
         shutil.rmtree(TimingsFile.directory(), ignore_errors=True)
     report = {"command": " ".join(sys.argv), "cpu": cpu_name(), "arms": arms,

@@ -1,4 +1,4 @@
-"""Tile shapes for the CPU product kernel (`dflow_rt/models/cpu_gemv.cpp`) on this machine's
+"""Tile shapes for the CPU product kernel (`dflow_rt/kernels/cpu/gemv.cpp`) on this machine's
 instruction set: each variant is the kernel's source with another dispatch (a tile of rows of x by
 rows of w per row count), built as a library of its own and timed on one SmolLM2 step's products
 (random weights of its shapes) next to a read of the same bytes, variants interleaved.
@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from dflow_rt import huge_pages
-from dflow_rt.models import cpu_gemv
+from dflow_rt.kernels.cpu import ops as cpu_ops
+from dflow_rt.models import huge_pages
 
 # (rows of x, rows of w) per row count: 1 row, 2-3 rows, 4 rows and more; then how many blocks of w
 # ahead every tile prefetches (0: the hardware prefetcher alone). The first variant is the baseline.
@@ -56,7 +56,7 @@ def variant_source(name: str, tiles: tuple, ahead: int) -> tuple[str, str]:
     """The kernel's source with `tiles` as its dispatch on every instruction set and its prefetch
     `ahead` blocks of w ahead, registered as `torch.ops.<namespace>.gemv` so that several variants
     load into one process."""
-    src = cpu_gemv.SOURCE.read_text()
+    src = cpu_ops.SOURCE.read_text()
     (one, few, many) = tiles
     for old, new in (("(n0 + RW + j)", f"(n0 + {max(ahead, 1)} * RW + j)"),
                      ("RW > 1 && b + 1 < end ? RW : 0", f"b + {ahead} < end && {ahead} > 0 ? RW : 0")):
@@ -83,8 +83,8 @@ def build(name: str, tiles: tuple, ahead: int, root: Path):
     out = root / namespace
     out.mkdir()
     (out / "gemv.cpp").write_text(src)
-    shutil.copy(cpu_gemv.HEADER, out / cpu_gemv.HEADER.name)
-    options = CppTorchOptions(vec_isa=pick_vec_isa(), include_pytorch=True, shared=True, extra_flags=cpu_gemv.FLAGS)
+    shutil.copy(cpu_ops.HEADER, out / cpu_ops.HEADER.name)
+    options = CppTorchOptions(vec_isa=pick_vec_isa(), include_pytorch=True, shared=True, extra_flags=cpu_ops.FLAGS)
     builder = CppBuilder(name=namespace, sources=[str(out / "gemv.cpp")], BuildOption=options, output_dir=str(out))
     builder.build()
     torch.ops.load_library(builder.get_target_file_path())
@@ -103,7 +103,7 @@ def main() -> None:
     args = p.parse_args()
     variants = SETS[args.set]
     torch.set_num_threads(args.threads)
-    assert cpu_gemv.enabled(), "the shipped kernel does not build or load here"
+    assert cpu_ops.enabled(), "the shipped kernel does not build or load here"
     isa = torch.backends.cpu.get_cpu_capability()
     print(f"instruction set {isa}, {args.threads} threads, torch {torch.__version__}")
     weights = [torch.randn(n, k) for n, k in STEP]

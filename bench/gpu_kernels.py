@@ -27,11 +27,11 @@ import torch
 
 import dflow_rt
 from dflow_rt.config import RuntimeConfig
+from dflow_rt.engine.runtime import Runtime
 from dflow_rt.kernels import selection
 from dflow_rt.kernels.attention import attention_torch, attention_triton
 from dflow_rt.kernels.commit import commit_torch, commit_triton
 from dflow_rt.models.init_random import init_random
-from dflow_rt.runtime import Runtime
 
 
 def cuda_ms(fn: Callable[[], object], calls: int = 200) -> float:

@@ -30,8 +30,8 @@ import dflow_rt
 from dflow_rt.bench.runtime import bench_runtime, format_table
 from dflow_rt.config import RuntimeConfig
 from dflow_rt.data.prompts import suite_prompts
+from dflow_rt.engine.runtime import Runtime
 from dflow_rt.models.bundled import drafter_dir, target_dir
-from dflow_rt.runtime import Runtime
 from dflow_rt.tokenizer import load_tokenizer
 
 FIXTURES = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "dflash_reference"

@@ -17,8 +17,8 @@ from round_cost import SIZES  # bench/ is on the path when run as a script
 
 from dflow_rt.config import RuntimeConfig
 from dflow_rt.data.prompts import suite_prompts
+from dflow_rt.engine.runtime import Runtime
 from dflow_rt.models.bundled import load_models
-from dflow_rt.runtime import Runtime
 
 
 def decode(rt: Runtime, prompt: list[int], max_new: int) -> tuple[float, int, list[int]]:

@@ -16,8 +16,8 @@ from round_cost import SIZES, per_round_ms  # bench/ is on the path when run as 
 
 from dflow_rt.config import RuntimeConfig
 from dflow_rt.data.prompts import suite_prompts
+from dflow_rt.engine.runtime import Runtime
 from dflow_rt.models.bundled import load_models
-from dflow_rt.runtime import Runtime
 
 
 def main() -> None:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from dflow_rt.bench.decoders import Run, Runner
 from dflow_rt.errors import InputError
-from dflow_rt.models.fetch import cache_root
+from dflow_rt.paths import cache_root
 
 CONVERTER_PARTS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
 

@@ -24,10 +24,10 @@ from round_cost import SIZES  # bench/ is on the path when run as a script
 
 from dflow_rt.config import RuntimeConfig
 from dflow_rt.data.prompts import suite_prompts
-from dflow_rt.lookup import NgramIndex
+from dflow_rt.engine.lookup import NgramIndex
+from dflow_rt.engine.runtime import Runtime
 from dflow_rt.models.bundled import drafter_dir, load_models
 from dflow_rt.models.checkpoint import load_drafter
-from dflow_rt.runtime import Runtime
 
 
 def run(rt: Runtime, prompt: list[int], max_new: int) -> tuple[list[tuple[str, float, int]], list[int]]:

@@ -26,9 +26,9 @@ import torch
 
 from dflow_rt.config import RuntimeConfig
 from dflow_rt.data.prompts import SUITES, suite_prompts
+from dflow_rt.engine.runtime import Runtime
 from dflow_rt.models.bundled import load_models
 from dflow_rt.models.drafter import relay_off
-from dflow_rt.runtime import Runtime
 from dflow_rt.tokenizer import stop_token_ids
 from dflow_rt.train.objective import DraftObjective
 

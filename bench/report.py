@@ -88,7 +88,7 @@ def read_bandwidth(device: torch.device, megabytes: int = 512, repeats: int = 5)
 def bytes_per_token(target: torch.nn.Module, codes: bool = True) -> int:
     """Weight bytes one batch-1 decode step reads: every parameter once, except an untied input
     embedding (a step reads one row of it); with `codes`, a weight a Runtime gave exact codes is read
-    as its codes (`dflow_rt.exact_codes`), as our rounds read it."""
+    as its codes (`dflow_rt.models.exact_codes`), as our rounds read it."""
     embedding = target.embed_tokens.weight
     tied = embedding.data_ptr() == target.lm_head.weight.data_ptr()
     layers = [m for m in target.modules() if codes and getattr(m, "codes", None) is not None]

@@ -28,11 +28,11 @@ import torch
 
 from dflow_rt.config import RuntimeConfig
 from dflow_rt.data.prompts import suite_prompts
-from dflow_rt.models import cpu_gemv
+from dflow_rt.engine.runtime import Runtime
+from dflow_rt.kernels.cpu import ops as cpu_ops
 from dflow_rt.models.bundled import load_models, pick_device
 from dflow_rt.models.drafter import Drafter, DrafterConfig, build_target_layer_ids
 from dflow_rt.models.target import Target, TargetConfig
-from dflow_rt.runtime import Runtime
 
 # batch 1, fallback off, greedy rounds only: also the Runtimes of step_profile.py and huge_pages.py, which
 # then load the compiled rounds this script compiled
@@ -145,7 +145,7 @@ def main() -> None:
         print(f"{name}: {statistics.median(ms):.2f} ms a round ({statistics.median(ms) / ar:.2f} AR steps)")
     if not cuda:
         rate = gemm_rate()
-        macs = sum(m.weight.numel() for m in target.modules() if isinstance(m, cpu_gemv.Linear))
+        macs = sum(m.weight.numel() for m in target.modules() if isinstance(m, cpu_ops.Linear))
         print(f"floor: {macs / 1e6:.1f} M multiply-adds a position in the target's products; torch's float32 GEMM "
               f"here {rate / 1e9:.1f} G multiply-adds/s")
         for k in args.verify_width:

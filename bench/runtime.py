@@ -20,9 +20,9 @@ import torch
 from tqdm import tqdm
 
 from dflow_rt.config import RuntimeConfig
+from dflow_rt.engine.runtime import Runtime
 from dflow_rt.graphs import batched_round
 from dflow_rt.graphs.runner import compile_static, compiling, mark_length_dynamic
-from dflow_rt.runtime import Runtime
 
 
 def _sync(device: torch.device) -> None:

@@ -147,7 +147,7 @@ def free_port() -> int:
 
 
 def start_server(args: argparse.Namespace, drafter: str, mode: str, port: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "dflow_rt.cli", "serve", "--port", str(port), "--drafter", drafter,
+    cmd = [sys.executable, "-m", "dflow_rt", "serve", "--port", str(port), "--drafter", drafter,
            "--mode", mode, "--max-batch", str(args.clients), "--max-queue", str(args.requests),
            "--log-level", "warning"]
     for flag, value in (("--target", args.target), ("--threads", args.threads), ("--device", args.device),

@@ -30,10 +30,11 @@ from torch._dynamo.utils import counters
 from tqdm import tqdm
 
 import dflow_rt
+import dflow_rt.oracle
+from dflow_rt.checks import cut_at_stop
 from dflow_rt.config import MODES, RuntimeConfig
+from dflow_rt.engine.runtime import Runtime
 from dflow_rt.errors import DflowError, InputError
-from dflow_rt.requests import cut_at_stop
-from dflow_rt.runtime import Runtime
 
 SAMPLING = ((0.0, 0, 1.0), (0.7, 0, 1.0), (1.0, 20, 0.9), (0.3, 0, 0.95))  # (temperature, top_k, top_p)
 LENGTHS = (6, 24, 64, 160)  # prompt lengths, cycled over the pool
@@ -77,7 +78,7 @@ def build_pool(target, drafter, tokenizer, n_prompts: int, max_new: tuple[int, .
                                                    verify_width=None, tuned=False))
     expected = {}
     for i, p in enumerate(tqdm(prompts, desc="expected outputs", leave=False)):
-        expected[i, 0] = dflow_rt.reference.generate(target, None, p, max_new_tokens=max(max_new)).token_ids
+        expected[i, 0] = dflow_rt.oracle.generate(target, None, p, max_new_tokens=max(max_new)).token_ids
         for j, (t, k, top_p) in enumerate(SAMPLING[1:], start=1):
             expected[i, j] = alone.generate([p], max_new_tokens=max(max_new), temperature=t, top_k=k, top_p=top_p,
                                             seed=1000 + j)[0]

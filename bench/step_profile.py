@@ -16,8 +16,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from dflow_rt.config import RuntimeConfig
 from dflow_rt.data.prompts import suite_prompts
+from dflow_rt.engine.runtime import Runtime
 from dflow_rt.models.bundled import load_models
-from dflow_rt.runtime import Runtime
 
 
 def main() -> None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dflow_rt.checks import check_int
 from dflow_rt.errors import InputError
-from dflow_rt.requests import check_int
 
 MODES = ("eager", "compile", "cudagraph")  # how the rounds run: RuntimeConfig.mode
 DTYPES = ("float32", "bfloat16")  # the model dtypes commands, autotune and fetch-model offer
@@ -47,7 +47,7 @@ class RuntimeConfig:
     C++ attention and plain torch for the rest), "torch", "triton", "flashinfer" or "cpu" (attention
     only), or a dict op -> implementation; resolved once at construction.
     tuned: fill the `auto` fields (and kernels "auto", default length buckets) from what
-    `dflow-rt autotune` chose for these models on this device, when it wrote any (`dflow_rt.tuned`;
+    `dflow-rt autotune` chose for these models on this device, when it wrote any (`dflow_rt.engine.tuned`;
     the file used is logged); False: DEVICE_DEFAULTS only. Explicit settings always win.
     emit_mask_token: by default the target never chooses the drafter's mask token (it is no text,
     and a block would read it as a hole); True lets it, as the public DFlash implementation does,
@@ -58,17 +58,17 @@ class RuntimeConfig:
     afresh, for minutes (see `graphs.runner.compiling` and the figures in docs/RESULTS.md).
     ar_fallback: each round runs the verify width that decodes the most tokens per second, as timed
     on the running rounds, among verify_width's k, ceil(k / 2) and 1, the target stepping alone
-    without the draft pass (`dflow_rt.fallback`); drafting is retried at growing intervals while
+    without the draft pass (`dflow_rt.engine.policy`); drafting is retried at growing intervals while
     plain steps win. Lossless either way; the plain steps are counted apart from the drafted rounds'
     acceptance. `auto`: DEVICE_DEFAULTS (on
     for CPU) where verify_width is `auto` too, else off (a width given is a width kept). Never with
     FlashInfer attention, whose host-side plan is made per verify width.
     lookup: with ar_fallback, where a row's last 3 tokens occurred before in its prompt or output, a
-    round may verify what followed them then (`dflow_rt.lookup`): no draft pass, a round at k, run
+    round may verify what followed them then (`dflow_rt.engine.lookup`): no draft pass, a round at k, run
     while such rounds decode faster than the width the fallback chose (`ArFallback.lookup`); one
     graph more per batch bucket and round variant (greedy, sampled).
     keep_timings: with ar_fallback, what the fallback learned (round times and tokens per width, lookup
-    rounds' rate) is kept on disk per machine, models and settings (`dflow_rt.fallback.TimingsFile`),
+    rounds' rate) is kept on disk per machine, models and settings (`dflow_rt.engine.policy.TimingsFile`),
     so that a later Runtime starts at the width that won rather than learning it again: a process
     answering one short request otherwise spends most of its rounds learning. False: start afresh.
     compile_cache: `compile` and `cudagraph` rounds are kept on disk (`dflow_rt.graphs.compile_cache`)
@@ -77,7 +77,7 @@ class RuntimeConfig:
     a compiled Runtime compiles on its first start; `add_request` then refuses a temperature above 0.
     memory_limit: construction refuses a state (KV caches, relay buffer, rotary tables) larger
     than this many bytes, before allocating anything; by default, larger than the free memory
-    of the models' device (`dflow_rt.limits`, which also checks every field's type and range).
+    of the models' device (`dflow_rt.engine.limits`, which also checks every field's type and range).
     """
 
     max_batch: int = 8

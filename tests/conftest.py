@@ -28,7 +28,7 @@ REFERENCE_FIXTURES = (FIXTURES, FIXTURES_LAST_LAYER)
 def fresh_timings(tmp_path, monkeypatch):
     """Each test's Runtimes keep their fallback timings apart (`RuntimeConfig.keep_timings`): a choice
     of widths learned by one test would otherwise steer the next."""
-    from dflow_rt.fallback import TimingsFile
+    from dflow_rt.engine.policy import TimingsFile
 
     monkeypatch.setattr(TimingsFile, "directory", staticmethod(lambda: tmp_path / "timings"))
 

@@ -115,12 +115,12 @@ def build_avx2(tmp_path, source, namespace: str):
     from torch._inductor.cpp_builder import CppBuilder, CppTorchOptions
     from torch._inductor.cpu_vec_isa import VecAVX2
 
-    from dflow_rt.models import cpu_gemv
+    from dflow_rt.kernels.cpu import ops as cpu_ops
 
-    shutil.copy(cpu_gemv.HEADER, tmp_path / cpu_gemv.HEADER.name)  # what `#include "cpu_vec.h"` finds
+    shutil.copy(cpu_ops.HEADER, tmp_path / cpu_ops.HEADER.name)  # what `#include "vec.h"` finds
     src = source.read_text().replace("TORCH_LIBRARY_IMPL(dflow_rt, CPU, m)", f"TORCH_LIBRARY({namespace}, m)")
     (tmp_path / f"{namespace}.cpp").write_text(src.replace("m.impl(", "m.def("))
-    options = CppTorchOptions(vec_isa=VecAVX2(), include_pytorch=True, shared=True, extra_flags=cpu_gemv.FLAGS)
+    options = CppTorchOptions(vec_isa=VecAVX2(), include_pytorch=True, shared=True, extra_flags=cpu_ops.FLAGS)
     builder = CppBuilder(name=namespace, sources=[str(tmp_path / f"{namespace}.cpp")], BuildOption=options,
                          output_dir=str(tmp_path))
     builder.build()

@@ -8,7 +8,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import dflow_rt
-from dflow_rt.cli import main
+import dflow_rt.oracle
+from dflow_rt.commands.main import main
 
 ASSETS = Path(dflow_rt.__file__).parent / "assets"
 
@@ -29,12 +30,12 @@ def test_bundled_drafters_are_lossless_and_accept_drafts(capsys):
     exactly the bundled target's own greedy decoding; both bundled drafters really draft (tau well above 1)."""
     import json
 
-    from dflow_rt.cli import main
+    from dflow_rt.commands.main import main
 
     target = dflow_rt.load_target(ASSETS / "target")
     assert main(["generate", "--prompt", "def fibonacci(n):", "--max-new-tokens", "48", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["token_ids"] == dflow_rt.reference.generate(target, None, out["prompt_ids"], max_new_tokens=48).token_ids
+    assert out["token_ids"] == dflow_rt.oracle.generate(target, None, out["prompt_ids"], max_new_tokens=48).token_ids
     from dflow_rt.data.prompts import suite_prompts
     from dflow_rt.tokenizer import load_tokenizer
 
@@ -42,9 +43,9 @@ def test_bundled_drafters_are_lossless_and_accept_drafts(capsys):
     for name in ("dflash", "dflow"):
         drafter = dflow_rt.load_drafter(ASSETS / name, target)
         assert (drafter.relay is not None) == (name == "dflow") and drafter.block_size == 16
-        spec = dflow_rt.reference.generate(target, drafter, out["prompt_ids"], max_new_tokens=48)
+        spec = dflow_rt.oracle.generate(target, drafter, out["prompt_ids"], max_new_tokens=48)
         assert spec.token_ids == out["token_ids"]
-        taus = [dflow_rt.reference.generate(target, drafter, p, max_new_tokens=48).tau for p in maths]
+        taus = [dflow_rt.oracle.generate(target, drafter, p, max_new_tokens=48).tau for p in maths]
         assert sum(taus) / len(taus) > 1.5  # held-out word problems (a drafter that never hits: 1.0)
 
 

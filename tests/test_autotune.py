@@ -8,10 +8,10 @@ import random
 
 import pytest
 
-from dflow_rt import tuned as configs
 from dflow_rt.autotune.job import Axis, Measure, Tuner
 from dflow_rt.config import RuntimeConfig
-from dflow_rt.tuned import TunedConfig, apply, entry_key, load_tuned, resolve, store, tuned_for
+from dflow_rt.engine import tuned as configs
+from dflow_rt.engine.tuned import TunedConfig, apply, entry_key, load_tuned, resolve, store, tuned_for
 from tests.conftest import FIXTURES
 
 TARGET, DRAFTER = FIXTURES / "target", FIXTURES / "drafter"
@@ -68,7 +68,7 @@ def test_loader_round_trips_what_the_job_writes(reference_pair, tmp_path, caplog
     name = configs.device_name("cpu")
     entry = {"dtype": result.tuned.dtype, "knobs": {result.tuned.dtype: result.record(16)}}
     path = store(entry, entry_key(TARGET, DRAFTER), name, tmp_path)
-    with caplog.at_level(logging.INFO, logger="dflow_rt.tuned"):
+    with caplog.at_level(logging.INFO, logger="dflow_rt.engine.tuned"):
         loaded = load_tuned(TARGET, DRAFTER, "cpu", directory=tmp_path)
     assert loaded == TunedConfig("float32", 1, "eager", ((1, 16), (2, 16)), 128) and loaded.path == path
     assert str(path) in caplog.text
@@ -79,7 +79,7 @@ def test_loader_round_trips_what_the_job_writes(reference_pair, tmp_path, caplog
 
 
 def test_missing_or_corrupt_file_falls_back_with_a_log_line(tmp_path, caplog):
-    with caplog.at_level(logging.INFO, logger="dflow_rt.tuned"):
+    with caplog.at_level(logging.INFO, logger="dflow_rt.engine.tuned"):
         assert load_tuned(TARGET, DRAFTER, "cpu", directory=tmp_path) is None
         assert "no tuned file" in caplog.text
         (tmp_path / f"{configs.device_key(configs.device_name('cpu'))}.json").write_text("{not json")

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 import dflow_rt
+import dflow_rt.oracle
 from dflow_rt import CheckpointError, InputError
 
 FIXTURES = Path(__file__).parent / "fixtures" / "dflash_reference"
@@ -374,7 +375,7 @@ def drafter(target) -> dflow_rt.Drafter:
 @pytest.mark.parametrize("use_drafter", [True, False])
 def test_prompt_longer_than_the_cache(target, drafter, use_drafter):
     with pytest.raises(InputError) as info:
-        dflow_rt.reference.generate(target, drafter if use_drafter else None, list(range(20)) * 2, max_new_tokens=4,
+        dflow_rt.oracle.generate(target, drafter if use_drafter else None, list(range(20)) * 2, max_new_tokens=4,
                                     config=dflow_rt.RuntimeConfig(max_len=32, verify_width=None))
     assert "prompt of 40 tokens" in str(info.value) and "does not fit max_len 32" in str(info.value)
     assert isinstance(info.value, ValueError)
@@ -383,7 +384,7 @@ def test_prompt_longer_than_the_cache(target, drafter, use_drafter):
 def test_prompt_that_just_fits_the_cache(target, drafter):
     """The bound is exact: prompt + max_new_tokens + one block fills the cache without error."""
     fit = 3 + 4 + drafter.block_size
-    for generate in (dflow_rt.reference.generate, dflow_rt.generate):
+    for generate in (dflow_rt.oracle.generate, dflow_rt.generate):
         config = dflow_rt.RuntimeConfig(max_len=fit, mode="eager", verify_width=None)
         assert len(generate(target, drafter, [1, 2, 3], max_new_tokens=4, config=config).token_ids) == 4
         with pytest.raises(InputError, match=f"does not fit max_len {fit - 1}"):
@@ -393,10 +394,10 @@ def test_prompt_that_just_fits_the_cache(target, drafter):
 @pytest.mark.parametrize("prompt", [[], (), torch.empty(0, dtype=torch.long)])
 def test_empty_prompt(target, drafter, prompt):
     with pytest.raises(InputError, match="prompt_ids is empty"):
-        dflow_rt.reference.generate(target, drafter, prompt, max_new_tokens=4)
+        dflow_rt.oracle.generate(target, drafter, prompt, max_new_tokens=4)
 
 
 @pytest.mark.parametrize("prompt", [[24], [-1], [1, 2, 99], torch.tensor([3, 24])])
 def test_out_of_vocab_prompt_ids(target, drafter, prompt):
     with pytest.raises(InputError, match=r"prompt_ids must be integers in 0\.\.23"):
-        dflow_rt.reference.generate(target, drafter, prompt, max_new_tokens=4)
+        dflow_rt.oracle.generate(target, drafter, prompt, max_new_tokens=4)

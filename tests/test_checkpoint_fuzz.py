@@ -22,6 +22,7 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 import dflow_rt
+import dflow_rt.oracle
 from dflow_rt import CheckpointError
 from dflow_rt.models.layers import reserve_positions
 from tests.conftest import FIXTURES
@@ -141,7 +142,7 @@ def test_mutated_drafter_config(target, edits):
     with tempfile.TemporaryDirectory() as tmp:
         directory = write_dir(Path(tmp) / "d", cfg, DRAFTER / "model.safetensors")
         event(loads_or_refuses(lambda: dflow_rt.load_drafter(directory, target),
-                               lambda d: dflow_rt.reference.generate(target, d, [1, 2, 3], max_new_tokens=4)))
+                               lambda d: dflow_rt.oracle.generate(target, d, [1, 2, 3], max_new_tokens=4)))
 
 
 DTYPES = ["F32", "F16", "BF16", "F64", "I32", "I64", "U8", "BOOL", "F8_E4M3", "F8_E5M2", "Q4", "", 5, None]

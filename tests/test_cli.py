@@ -5,7 +5,8 @@ import sys
 import pytest
 
 import dflow_rt
-from dflow_rt.cli import main
+import dflow_rt.oracle
+from dflow_rt.commands.main import main
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +30,7 @@ def test_generate_json_is_lossless_and_complete(demo_models, capsys):
     assert spec["token_ids"] == plain["token_ids"] and spec["text"] == plain["text"]
     assert plain["acceptance_lengths"] == [1] * (len(plain["token_ids"]) - 1)
     target = dflow_rt.load_target(target_dir)
-    expected = dflow_rt.reference.generate(target, None, spec["prompt_ids"], max_new_tokens=24).token_ids
+    expected = dflow_rt.oracle.generate(target, None, spec["prompt_ids"], max_new_tokens=24).token_ids
     assert spec["token_ids"] == expected
     drafted = len(spec["acceptance_lengths"]) - spec["plain_steps"] - spec["lookup_rounds"]  # tau: drafted rounds
     emitted = sum(spec["acceptance_lengths"]) - spec["plain_steps"] - spec["lookup_tokens"]
@@ -53,8 +54,8 @@ def test_generate_takes_the_autotune_knobs_and_flags_win(capsys, tmp_path, monke
     --verify-width beats it, --no-tuned ignores it; with no file, --tuned says so, and the per-device
     defaults apply."""
     from dflow_rt.config import DEVICE_DEFAULTS
+    from dflow_rt.engine.tuned import device_name, entry_key, store
     from dflow_rt.models.bundled import drafter_dir, target_dir
-    from dflow_rt.tuned import device_name, entry_key, store
 
     monkeypatch.setenv("DFLOW_RT_CONFIG", str(tmp_path))
     width = DEVICE_DEFAULTS["cpu", "float32"]["verify_width"]
@@ -120,7 +121,7 @@ def test_errors_are_one_line(demo_models, tmp_path):
         ["--target", str(target_dir), "--drafter", str(target_dir), "--prompt", "x"],
     ]
     for argv in cases:
-        proc = subprocess.run([sys.executable, "-m", "dflow_rt.cli", "generate", *argv], capture_output=True,
+        proc = subprocess.run([sys.executable, "-m", "dflow_rt", "generate", *argv], capture_output=True,
                               text=True, timeout=120)
         assert proc.returncode == 2, proc.stderr
         assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr

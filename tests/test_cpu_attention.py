@@ -8,10 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dflow_rt.kernels.attention import HEAD_SIZES, attention_cpu, attention_torch
-from dflow_rt.models import cpu_gemv
+from dflow_rt.kernels.cpu import ops as cpu_ops
 from tests.helpers import build_avx2
 
-pytestmark = pytest.mark.skipif(not cpu_gemv.enabled(), reason="needs an AVX-512 or AVX2 CPU and a compiler")
+pytestmark = pytest.mark.skipif(not cpu_ops.enabled(), reason="needs an AVX-512 or AVX2 CPU and a compiler")
 TOL = dict(atol=1e-5, rtol=1e-5)
 
 
@@ -26,7 +26,7 @@ def case(seed: int, b: int, kv_heads: int, group: int, B: int, d: int, L: int, s
 
 @st.composite
 def shapes(draw, head_sizes=HEAD_SIZES):
-    b, B, extra = draw(st.integers(1, 3)), draw(st.integers(1, cpu_gemv.MAX_ROWS)), draw(st.integers(0, 90))
+    b, B, extra = draw(st.integers(1, 3)), draw(st.integers(1, cpu_ops.MAX_ROWS)), draw(st.integers(0, 90))
     L = B + extra
     edge = st.sampled_from([0, 1, L - B])  # no context, one key, the block ending at the cache's end
     starts = draw(st.lists(st.one_of(edge, st.integers(0, L - B)), min_size=b, max_size=b))
@@ -96,7 +96,7 @@ def test_what_it_does_not_serve_goes_to_sdpa():
     q, k, v = case(0, 1, 2, 2, 3, 16, 40)
     start = torch.tensor([5])
     assert torch.equal(attention_cpu(q, k, v, start, True), torch.ops.dflow_rt.cache_attention(q, k, v, start, True))
-    big = case(1, 1, 2, 2, cpu_gemv.MAX_ROWS + 1, 16, 40)  # a prefill
+    big = case(1, 1, 2, 2, cpu_ops.MAX_ROWS + 1, 16, 40)  # a prefill
     odd = case(2, 1, 2, 2, 3, 12, 40)  # a head size it has no shape for
     half = tuple(t.bfloat16() for t in (q, k, v))
     grad = (q.clone().requires_grad_(), k, v)
@@ -127,7 +127,7 @@ def test_bad_input_is_refused():
 @pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512", reason="builds AVX2 code on an AVX-512 CPU")
 def test_the_avx2_build_matches_sdpa_and_keeps_rows_alike(tmp_path):
     """The other instruction set's code (8 lanes: another reduction tree and exponent scaling)."""
-    op = build_avx2(tmp_path, cpu_gemv.SOURCES[1], "dflow_rt_avx2_attention").cache_attention
+    op = build_avx2(tmp_path, cpu_ops.SOURCES[1], "dflow_rt_avx2_attention").cache_attention
     for seed, d, causal in [(0, 8, True), (1, 64, True), (2, 64, False), (3, 128, True), (4, 24, False)]:
         dims = dict(b=2, kv_heads=3, group=3, B=4, d=d, L=150)
         q, k, v = case(seed, **dims, scale=3.0)

@@ -9,12 +9,12 @@ import shutil
 import pytest
 import torch
 
-from dflow_rt.models import cpu_gemv
+from dflow_rt.kernels.cpu import ops as cpu_ops
 
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or torch.backends.cpu.get_cpu_capability()
-                    not in cpu_gemv.ISAS or not (shutil.which("c++") or shutil.which("g++"))
+                    not in cpu_ops.ISAS or not (shutil.which("c++") or shutil.which("g++"))
                     or os.environ.get("DFLOW_RT_CPU_GEMV") == "0",
                     reason="no AVX2 / AVX-512 x86 CPU with a C++ compiler here, or the kernel is switched off")
 def test_the_cpu_kernels_build_on_a_cpu_and_compiler_that_can():
-    assert cpu_gemv.enabled(), "the CPU kernel library failed to build or load: see the warning logged above"
+    assert cpu_ops.enabled(), "the CPU kernel library failed to build or load: see the warning logged above"

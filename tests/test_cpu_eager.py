@@ -8,11 +8,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dflow_rt.models import cpu_gemv
+from dflow_rt.kernels.cpu import ops as cpu_ops
 from dflow_rt.models.layers import Attention, KVCache, Rotary, apply_rope
 from tests.helpers import build_avx2, ours_from_hf, tiny_hf_target
 
-pytestmark = pytest.mark.skipif(not cpu_gemv.enabled(), reason="needs an AVX-512 or AVX2 CPU and a compiler")
+pytestmark = pytest.mark.skipif(not cpu_ops.enabled(), reason="needs an AVX-512 or AVX2 CPU and a compiler")
 
 
 def hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -20,7 +20,7 @@ def hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tens
 
 
 @settings(max_examples=60)
-@given(st.integers(1, cpu_gemv.MAX_ROWS), st.sampled_from([1, 7, 16, 33, 64, 576]), st.sampled_from([1e-6, 1e-5]),
+@given(st.integers(1, cpu_ops.MAX_ROWS), st.sampled_from([1, 7, 16, 33, 64, 576]), st.sampled_from([1e-6, 1e-5]),
        st.sampled_from([1e-3, 1.0, 100.0]), st.integers(0, 2**16))
 def test_rms_norm_matches_the_hf_formula(rows, n, eps, scale, seed):
     g = torch.Generator().manual_seed(seed)
@@ -31,7 +31,7 @@ def test_rms_norm_matches_the_hf_formula(rows, n, eps, scale, seed):
 
 @st.composite
 def rope_cases(draw):
-    b, n = draw(st.integers(1, 3)), draw(st.integers(1, cpu_gemv.MAX_ROWS))
+    b, n = draw(st.integers(1, 3)), draw(st.integers(1, cpu_ops.MAX_ROWS))
     kv, group, d = draw(st.integers(1, 3)), draw(st.integers(1, 4)), draw(st.sampled_from([8, 16, 64, 128]))
     length = n + draw(st.integers(0, 40))
     starts = draw(st.lists(st.integers(0, length - n), min_size=b, max_size=b))
@@ -81,12 +81,12 @@ def test_an_eager_cached_pass_through_them_matches_transformers(family, monkeypa
 def test_what_they_do_not_serve_stays_with_torch(monkeypatch):
     """Prefill-sized passes, bf16, autograd and compiled passes keep torch's ops."""
     weight = torch.randn(64)
-    assert cpu_gemv.eager_served(torch.randn(1, 4, 64), weight)
-    assert not cpu_gemv.eager_served(torch.randn(1, cpu_gemv.MAX_ROWS + 1, 64), weight)
-    assert not cpu_gemv.eager_served(torch.randn(1, 4, 64).bfloat16(), weight.bfloat16())
-    assert not cpu_gemv.eager_served(torch.randn(1, 4, 64, requires_grad=True), weight)
+    assert cpu_ops.eager_served(torch.randn(1, 4, 64), weight)
+    assert not cpu_ops.eager_served(torch.randn(1, cpu_ops.MAX_ROWS + 1, 64), weight)
+    assert not cpu_ops.eager_served(torch.randn(1, 4, 64).bfloat16(), weight.bfloat16())
+    assert not cpu_ops.eager_served(torch.randn(1, 4, 64, requires_grad=True), weight)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    assert not cpu_gemv.eager_served(torch.randn(1, 4, 64), weight)
+    assert not cpu_ops.eager_served(torch.randn(1, 4, 64), weight)
 
 
 def test_bad_input_is_refused():
@@ -106,7 +106,7 @@ def test_bad_input_is_refused():
 @pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512", reason="builds AVX2 code on an AVX-512 CPU")
 def test_the_avx2_build_normalises_alike(tmp_path):
     """The other instruction set's code (8 lanes: another reduction tree and tail masks)."""
-    op = build_avx2(tmp_path, cpu_gemv.SOURCES[2], "dflow_rt_avx2_eager").rms_norm
+    op = build_avx2(tmp_path, cpu_ops.SOURCES[2], "dflow_rt_avx2_eager").rms_norm
     for n in (7, 8, 64, 100):
         x, weight = torch.randn(3, n) * 5, torch.randn(n)
         torch.testing.assert_close(op(x, weight, 1e-6), hf_rms_norm(x, weight, 1e-6), atol=1e-6, rtol=1e-5)

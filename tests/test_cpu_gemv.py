@@ -9,13 +9,13 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dflow_rt.models import cpu_gemv
+from dflow_rt.kernels.cpu import ops as cpu_ops
 
-pytestmark = pytest.mark.skipif(not cpu_gemv.enabled(), reason="needs an AVX-512 or AVX2 CPU and a compiler")
+pytestmark = pytest.mark.skipif(not cpu_ops.enabled(), reason="needs an AVX-512 or AVX2 CPU and a compiler")
 
 
 @settings(max_examples=40, deadline=None)
-@given(rows=st.integers(1, cpu_gemv.MAX_ROWS), n=st.integers(1, 70), k=st.integers(1, 100), seed=st.integers(0, 99))
+@given(rows=st.integers(1, cpu_ops.MAX_ROWS), n=st.integers(1, 70), k=st.integers(1, 100), seed=st.integers(0, 99))
 def test_matches_torch_at_every_shape(rows, n, k, seed):
     g = torch.Generator().manual_seed(seed)
     x, w = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g)
@@ -25,7 +25,7 @@ def test_matches_torch_at_every_shape(rows, n, k, seed):
 
 
 @settings(max_examples=20, deadline=None)
-@given(rows=st.integers(2, cpu_gemv.MAX_ROWS), n=st.integers(1, 40), k=st.integers(1, 600), seed=st.integers(0, 99))
+@given(rows=st.integers(2, cpu_ops.MAX_ROWS), n=st.integers(1, 40), k=st.integers(1, 600), seed=st.integers(0, 99))
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it(rows, n, k, seed):
     """Bit for bit: a verify pass and a plain step compute a shared position alike."""
     g = torch.Generator().manual_seed(seed)
@@ -37,28 +37,28 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(rows, n, k, seed):
 
 def test_linear_routes_only_what_the_kernel_serves():
     w, b = torch.randn(24, 32), torch.randn(24)
-    few, many = torch.randn(2, 3, 32), torch.randn(1, cpu_gemv.MAX_ROWS + 1, 32)
+    few, many = torch.randn(2, 3, 32), torch.randn(1, cpu_ops.MAX_ROWS + 1, 32)
     with torch.no_grad():
-        served = cpu_gemv.linear(few, w, b)
+        served = cpu_ops.linear(few, w, b)
         kernel = torch.ops.dflow_rt.gemv(few.reshape(6, 32), w).reshape(2, 3, 24) + b
         assert torch.equal(served, kernel)
         torch.testing.assert_close(served, F.linear(few, w, b))
-        assert torch.equal(cpu_gemv.linear(many, w, b), F.linear(many, w, b))
-        assert torch.equal(cpu_gemv.linear(few.double(), w.double()), F.linear(few.double(), w.double()))
+        assert torch.equal(cpu_ops.linear(many, w, b), F.linear(many, w, b))
+        assert torch.equal(cpu_ops.linear(few.double(), w.double()), F.linear(few.double(), w.double()))
     trained = w.clone().requires_grad_()
-    out = cpu_gemv.linear(few, trained)  # autograd: torch's product, with its gradient
+    out = cpu_ops.linear(few, trained)  # autograd: torch's product, with its gradient
     out.sum().backward()
     assert trained.grad is not None and torch.equal(out, F.linear(few, trained))
 
 
 def test_compiled_graphs_call_the_kernel():
     w = torch.randn(48, 64)
-    layer = cpu_gemv.Linear(64, 48, bias=False)
+    layer = cpu_ops.Linear(64, 48, bias=False)
     layer.weight.data.copy_(w)
     x = torch.randn(1, 2, 64)
     with torch.no_grad():
         compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
-        assert torch.equal(compiled(x), cpu_gemv.linear(x, w))
+        assert torch.equal(compiled(x), cpu_ops.linear(x, w))
 
 
 def test_old_builds_are_pruned_to_the_newest_few(tmp_path):
@@ -72,6 +72,6 @@ def test_old_builds_are_pruned_to_the_newest_few(tmp_path):
     busy.mkdir()
     current = tmp_path / "cpu_gemv_current"
     current.mkdir()
-    cpu_gemv._prune(current)
+    cpu_ops._prune(current)
     left = sorted(d.name for d in tmp_path.iterdir())
-    assert left == sorted([current.name, busy.name] + [d.name for d in dirs[-(cpu_gemv.KEEP_BUILDS - 1):]])
+    assert left == sorted([current.name, busy.name] + [d.name for d in dirs[-(cpu_ops.KEEP_BUILDS - 1):]])

@@ -5,12 +5,13 @@ import json
 import pytest
 
 import dflow_rt
-from dflow_rt.cli import main
+import dflow_rt.oracle
+from dflow_rt.commands.main import main
 from dflow_rt.data.prompts import suite_texts
 from dflow_rt.eval.diagnose import relay_diagnostics, summarize
 from dflow_rt.eval.tau import TauResult, measure_tau, sem
 from dflow_rt.models.drafter import with_relay
-from dflow_rt.reference import RoundTrace
+from dflow_rt.oracle import RoundTrace
 from tests.conftest import FIXTURES
 from tests.helpers import random_relay
 
@@ -36,7 +37,7 @@ def test_tau_through_runtime_matches_the_reference_round(reference_pair, tempera
     prompts = [c["prompt_ids"] for c in CASES[:5]]
     result = measure_tau(target, drafter, prompts, "t", temperature, max_new_tokens=40, batch=2)
     if temperature == 0:
-        refs = [dflow_rt.reference.generate(target, drafter, p, max_new_tokens=40).acceptance_lengths for p in prompts]
+        refs = [dflow_rt.oracle.generate(target, drafter, p, max_new_tokens=40).acceptance_lengths for p in prompts]
         assert result.acceptance == refs
     # Sampling is seeded per prompt: the same prompts give the same rounds again, at another batch size too.
     again = measure_tau(target, drafter, prompts, "t", temperature, max_new_tokens=40, batch=4)
@@ -49,10 +50,10 @@ def test_tau_at_a_verify_width_matches_the_reference_round_at_that_width(referen
     prompts = [c["prompt_ids"] for c in CASES[:3]]
     result = measure_tau(target, drafter, prompts, "t", 0.0, max_new_tokens=40, batch=2, verify_width=3)
     cfg = dflow_rt.RuntimeConfig(verify_width=3)
-    refs = [dflow_rt.reference.generate(target, drafter, p, max_new_tokens=40, config=cfg).acceptance_lengths
+    refs = [dflow_rt.oracle.generate(target, drafter, p, max_new_tokens=40, config=cfg).acceptance_lengths
             for p in prompts]
     assert result.acceptance == refs and max(max(a) for a in refs) <= 3
-    assert refs != [dflow_rt.reference.generate(target, drafter, p, max_new_tokens=40).acceptance_lengths
+    assert refs != [dflow_rt.oracle.generate(target, drafter, p, max_new_tokens=40).acceptance_lengths
                     for p in prompts]
 
 
@@ -105,7 +106,7 @@ def test_cli_eval_tau_json(reference_pair, capsys, monkeypatch):
     report = json.loads(capsys.readouterr().out)
     entry = report["suites"]["math"]
     target, drafter = reference_pair
-    refs = [dflow_rt.reference.generate(target, drafter, FakeTokenizer().encode(t), max_new_tokens=24) for t in
+    refs = [dflow_rt.oracle.generate(target, drafter, FakeTokenizer().encode(t), max_new_tokens=24) for t in
             ["a b c", "x y z w"]]
     assert entry["per_prompt_tau"] == [round(r.tau, 4) for r in refs]
     assert sum(entry["histogram"]) == entry["rounds"] == sum(len(r.acceptance_lengths) for r in refs)

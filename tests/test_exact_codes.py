@@ -7,11 +7,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import dflow_rt
-from dflow_rt import exact_codes
-from dflow_rt.models import cpu_gemv
+from dflow_rt.kernels.cpu import ops as cpu_ops
+from dflow_rt.models import exact_codes
 from tests.helpers import build_avx2, hf_greedy, ours_from_hf, tiny_drafter, tiny_hf_target
 
-pytestmark = pytest.mark.skipif(not cpu_gemv.enabled(), reason="needs an AVX-512 or AVX2 CPU and a compiler")
+pytestmark = pytest.mark.skipif(not cpu_ops.enabled(), reason="needs an AVX-512 or AVX2 CPU and a compiler")
 
 
 def dequantised(w: torch.Tensor, kind: str) -> torch.Tensor:
@@ -32,7 +32,7 @@ def dequantised(w: torch.Tensor, kind: str) -> torch.Tensor:
 
 
 @settings(max_examples=25, deadline=None)
-@given(groups=st.integers(1, 12), blocks=st.integers(1, 6), rows=st.integers(1, cpu_gemv.MAX_ROWS),
+@given(groups=st.integers(1, 12), blocks=st.integers(1, 6), rows=st.integers(1, cpu_ops.MAX_ROWS),
        kind=st.sampled_from(["u4", "i8", "b16"]), seed=st.integers(0, 999))
 def test_coded_products_are_bit_identical_to_the_float32_kernel(groups, blocks, rows, kind, seed):
     g = torch.Generator().manual_seed(seed)
@@ -42,7 +42,7 @@ def test_coded_products_are_bit_identical_to_the_float32_kernel(groups, blocks, 
     assert torch.equal(exact_codes.decode(codes).view(torch.int32), w.view(torch.int32))
     assert codes.codes.numel() == w.numel() * {"u4": 0.75, "i8": 1.125, "b16": 2}[kind]  # bytes a weight, not 4
     x = torch.randn(rows, w.shape[1], generator=g)
-    got = cpu_gemv.linear(x, w, codes=codes)
+    got = cpu_ops.linear(x, w, codes=codes)
     assert torch.equal(got, torch.ops.dflow_rt.gemv(x, w))
     torch.testing.assert_close(got, x @ w.T, rtol=1e-5, atol=1e-5 * w.shape[1] ** 0.5)
 
@@ -54,7 +54,7 @@ def test_weights_without_exact_codes_stay_float32():
     assert exact_codes.encode(coded[:, :48].contiguous()) is None  # a row not whole blocks
     assert exact_codes.encode(coded[:6]) is None  # rows not whole groups
     assert exact_codes.encode(coded.bfloat16()) is None
-    half = cpu_gemv.Linear(64, 8).bfloat16()
+    half = cpu_ops.Linear(64, 8).bfloat16()
     assert exact_codes.attach(half) is None and half.codes is None  # no float32 CPU weight: nothing tried
     nearly = coded.clone()
     nearly[5, 40] = torch.nextafter(nearly[5, 40], torch.tensor(1.0))  # one value off by an ulp
@@ -71,7 +71,7 @@ def test_weights_without_exact_codes_stay_float32():
 
 
 def test_codes_are_what_is_streamed_and_stale_ones_are_not_served():
-    layer = cpu_gemv.Linear(64, 8, bias=True)
+    layer = cpu_ops.Linear(64, 8, bias=True)
     with torch.no_grad():
         layer.weight.copy_(dequantised(torch.randn(8, 64), "u4"))
     sizes = exact_codes.attach(layer)
@@ -154,7 +154,7 @@ def test_compiled_rounds_stream_the_codes_and_decode_the_same_tokens(monkeypatch
 def test_the_avx2_build_rebuilds_and_sums_alike(tmp_path):
     """The other instruction set's code (8 lanes, arithmetic decoding instead of a lookup), built as a
     library of its own: exact values, and coded products bit-identical to its own float32 ones."""
-    ops = build_avx2(tmp_path, cpu_gemv.SOURCE, "dflow_rt_avx2")
+    ops = build_avx2(tmp_path, cpu_ops.SOURCE, "dflow_rt_avx2")
     g = torch.Generator().manual_seed(0)
     for kind in ("u4", "i8", "b16"):
         w = dequantised(torch.randn(20, 96, generator=g), kind)
@@ -179,8 +179,8 @@ def test_projections_of_one_input_run_as_one_stacked_product():
     x = torch.randn(3, attn.q_proj.in_features)
     with torch.no_grad():
         want = [torch.ops.dflow_rt.gemv(x, p.weight) for p in parts]
-        got = cpu_gemv.linear_parts(x, parts, attn.merged)
+        got = cpu_ops.linear_parts(x, parts, attn.merged)
         assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
         attn.k_proj.weight.add_(1.0)  # stale: every part through its own path, k through float32
-        got = cpu_gemv.linear_parts(x, parts, attn.merged)
+        got = cpu_ops.linear_parts(x, parts, attn.merged)
         assert torch.equal(got[1], torch.ops.dflow_rt.gemv(x, attn.k_proj.weight)) and torch.equal(got[0], want[0])

@@ -7,9 +7,10 @@ import json
 import pytest
 
 import dflow_rt
+import dflow_rt.oracle
 from dflow_rt.config import RuntimeConfig
-from dflow_rt.fallback import FIRST_RETRY, LONGEST_RETRY, PROBE, RECHECK, ArFallback
-from dflow_rt.runtime import Runtime
+from dflow_rt.engine.policy import FIRST_RETRY, LONGEST_RETRY, PROBE, RECHECK, ArFallback
+from dflow_rt.engine.runtime import Runtime
 from tests.helpers import fixed, random_relay
 from tests.test_runtime import CASES, record_buckets
 
@@ -120,7 +121,7 @@ def test_plain_steps_between_drafted_rounds_are_lossless(reference_pair, relay):
     prompts = [c["prompt_ids"] for c in CASES[:3]]
     outs = rt.generate(prompts, max_new_tokens=48)
     for prompt, out in zip(prompts, outs, strict=True):
-        ref = dflow_rt.reference.generate(target, drafter, prompt, 48, config=fixed(emit_mask_token=True))
+        ref = dflow_rt.oracle.generate(target, drafter, prompt, 48, config=fixed(emit_mask_token=True))
         assert out == ref.token_ids
     assert {key[3] for key in used} == {1, (drafter.block_size + 1) // 2, drafter.block_size}
 

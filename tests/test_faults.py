@@ -12,8 +12,9 @@ import threading
 import pytest
 
 import dflow_rt
+import dflow_rt.oracle
 from dflow_rt import BusyError, InputError, RequestError
-from dflow_rt.runtime import Runtime
+from dflow_rt.engine.runtime import Runtime
 from tests.conftest import FIXTURES
 from tests.helpers import fixed, poison
 
@@ -102,13 +103,13 @@ def test_the_mask_token_is_never_emitted(reference_pair):
 
     hooks = [target.lm_head.register_forward_hook(prefer_mask)]
     try:
-        assert dflow_rt.reference.generate(target, None, prompt, max_new_tokens=30).token_ids.count(mask) > 10
+        assert dflow_rt.oracle.generate(target, None, prompt, max_new_tokens=30).token_ids.count(mask) > 10
         rt = Runtime(target, drafter, fixed(max_batch=2, max_len=160))
         greedy = rt.generate([prompt], max_new_tokens=30)[0]
         sampled = rt.generate([prompt, prompt], max_new_tokens=30, temperature=1.0)
-        reference = dflow_rt.reference.generate(target, drafter, prompt, max_new_tokens=30).token_ids
+        reference = dflow_rt.oracle.generate(target, drafter, prompt, max_new_tokens=30).token_ids
         hooks.append(target.lm_head.register_forward_hook(forbid_mask))
-        without_mask = dflow_rt.reference.generate(target, None, prompt, max_new_tokens=30).token_ids
+        without_mask = dflow_rt.oracle.generate(target, None, prompt, max_new_tokens=30).token_ids
     finally:
         for hook in hooks:
             hook.remove()

@@ -6,6 +6,7 @@ import json
 import pytest
 
 import dflow_rt
+import dflow_rt.oracle
 from dflow_rt import RequestError, RuntimeConfig
 from tests.conftest import FIXTURES
 
@@ -16,15 +17,15 @@ def test_generate_emits_the_reference_rounds(reference_pair):
     target, drafter = reference_pair
     for case in CASES[:3]:
         ours = dflow_rt.generate(target, drafter, case["prompt_ids"], max_new_tokens=40)
-        ref = dflow_rt.reference.generate(target, drafter, case["prompt_ids"], max_new_tokens=40)
+        ref = dflow_rt.oracle.generate(target, drafter, case["prompt_ids"], max_new_tokens=40)
         assert ours.token_ids == ref.token_ids
         assert ours.acceptance_lengths == ref.acceptance_lengths and ours.tau == ref.tau
         assert ours.first_step_tokens >= 1 and ours.decode_seconds >= 0
     plain = dflow_rt.generate(target, None, CASES[0]["prompt_ids"], max_new_tokens=20)
-    assert plain.token_ids == dflow_rt.reference.generate(target, None, CASES[0]["prompt_ids"], 20).token_ids
+    assert plain.token_ids == dflow_rt.oracle.generate(target, None, CASES[0]["prompt_ids"], 20).token_ids
     config = RuntimeConfig(mode="eager", verify_width=3, emit_mask_token=True)
     emitting = dflow_rt.generate(target, drafter, CASES[0]["prompt_ids"], 40, config=config)
-    assert emitting.token_ids == dflow_rt.reference.generate(target, drafter, CASES[0]["prompt_ids"], 40,
+    assert emitting.token_ids == dflow_rt.oracle.generate(target, drafter, CASES[0]["prompt_ids"], 40,
                                                              config=config).token_ids
     assert max(emitting.acceptance_lengths) <= 3
 
@@ -45,6 +46,6 @@ def test_generate_raises_a_fault(reference_pair):
     try:
         with pytest.raises(RequestError, match="NaN"):
             dflow_rt.generate(target, drafter, CASES[0]["prompt_ids"], max_new_tokens=20)
-        assert len(dflow_rt.reference.generate(target, drafter, CASES[0]["prompt_ids"], 20).token_ids) == 20
+        assert len(dflow_rt.oracle.generate(target, drafter, CASES[0]["prompt_ids"], 20).token_ids) == 20
     finally:
         hook.remove()

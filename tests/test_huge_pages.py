@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from dflow_rt import huge_pages
+from dflow_rt.models import huge_pages
 
 pytestmark = pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="needs Linux's MADV_HUGEPAGE")
 

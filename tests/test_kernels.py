@@ -19,12 +19,11 @@ from hypothesis import strategies as st
 from dflow_rt import Runtime
 from dflow_rt.errors import InputError
 from dflow_rt.kernels import resolve, select, selection
-from dflow_rt.kernels.attention import attention_torch, attention_triton
+from dflow_rt.kernels.attention import attention_torch, attention_triton, cache_mask
 from dflow_rt.kernels.commit import commit_torch, commit_triton
 from dflow_rt.kernels.flashinfer_attention import FlashInferAttention, plan_inputs
 from dflow_rt.kernels.sample import sample_torch, sample_triton
-from dflow_rt.models.layers import cache_mask
-from dflow_rt.sampling import uniform
+from dflow_rt.kernels.sampling import uniform
 from tests.conftest import FIXTURES, load_pair
 from tests.helpers import fixed
 

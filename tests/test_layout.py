@@ -20,9 +20,43 @@ def modules() -> dict[str, Path]:
 
 
 def unit(module: str) -> str:
-    """The unit a module belongs to: its subpackage (`dflow_rt.train`), or itself at the top level."""
+    """The unit a module belongs to: its innermost subpackage (`dflow_rt.train`, `dflow_rt.kernels.cpu`),
+    or itself at the top level."""
     parts = module.split(".")
-    return ".".join(parts[:2]) if (ROOT / parts[1]).is_dir() or parts[1] == "bench" else module
+    if len(parts) > 1 and parts[1] == "bench":
+        return "dflow_rt.bench"
+    for n in range(len(parts), 1, -1):
+        if (ROOT.joinpath(*parts[1:n]) / "__init__.py").exists():
+            return ".".join(parts[:n])
+    return ".".join(parts[:2])
+
+
+def imported(node: ast.AST, module: str, is_package: bool = False) -> list[str]:
+    """The modules an import statement names, in every form: `import a.b`, `from a import b` (b a
+    submodule of a, or a name in a), and relative `from . import b` / `from .a import b`, resolved
+    against `module` (a package's `__init__` when `is_package`)."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names]
+    if not isinstance(node, ast.ImportFrom):
+        return []
+    base = node.module or ""
+    if node.level:
+        package = module.split(".")[: len(module.split(".")) - node.level + (1 if is_package else 0)]
+        base = ".".join([*package, *([base] if base else [])])
+    return [base, *(f"{base}.{a.name}" for a in node.names)]
+
+
+def test_imported_sees_every_import_form():
+    def names(source: str, module: str = "dflow_rt.engine.runtime", is_package: bool = False) -> list[str]:
+        return imported(ast.parse(source).body[0], module, is_package)
+
+    assert names("import dflow_rt.graphs.plan") == ["dflow_rt.graphs.plan"]
+    assert "dflow_rt.models.exact_codes" in names("from dflow_rt.models import exact_codes")
+    assert "dflow_rt.oracle" in names("from dflow_rt import oracle")
+    assert "dflow_rt.engine.policy" in names("from . import policy")
+    assert "dflow_rt.graphs.plan" in names("from ..graphs.plan import x")
+    assert "dflow_rt.engine.policy" in names("from .policy import x", "dflow_rt.engine", is_package=True)
+    assert unit("dflow_rt.oracle") == "dflow_rt.oracle" and unit("dflow_rt.kernels.cpu.ops") == "dflow_rt.kernels.cpu"
 
 
 def import_graph() -> dict[str, set[str]]:
@@ -33,9 +67,8 @@ def import_graph() -> dict[str, set[str]]:
             continue  # the public API re-exports everything
         edges = graph.setdefault(unit(module), set())
         for node in ast.walk(ast.parse(path.read_text())):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-                [node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else []
-            edges |= {unit(n) for n in names if n.startswith("dflow_rt.") and unit(n) != unit(module)}
+            found = {n for n in imported(node, module, path.name == "__init__.py") if n.startswith("dflow_rt.")}
+            edges |= {unit(n) for n in found if unit(n) != unit(module)}
     return graph
 
 
@@ -61,7 +94,8 @@ def test_pyproject_installs_every_subpackage_and_bench_as_dflow_rt_bench():
     """The package list is explicit (bench/ maps to dflow_rt.bench), so a new subpackage must join it."""
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     tool = tomllib.loads((ROOT.parent / "pyproject.toml").read_text())["tool"]["setuptools"]
-    found = {"dflow_rt", "dflow_rt.bench"} | {f"dflow_rt.{p.parent.name}" for p in ROOT.glob("*/__init__.py")}
+    found = {"dflow_rt", "dflow_rt.bench"} | {".".join(("dflow_rt", *p.parent.relative_to(ROOT).parts))
+                                              for p in ROOT.rglob("*/__init__.py")}
     assert set(tool["packages"]) == found and tool["package-dir"] == {"dflow_rt.bench": "bench"}
     assert not (ROOT / "bench").exists() and (BENCH / "__init__.py").exists()
 
@@ -88,7 +122,7 @@ def test_cli_page_names_every_command():
     """docs/cli.md's synopsis has a line for every `dflow-rt` command and names every `train` command."""
     import argparse
 
-    from dflow_rt.cli import parser
+    from dflow_rt.commands.main import parser
 
     def commands(p: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
         return next(a for a in p._actions if isinstance(a, argparse._SubParsersAction)).choices

@@ -14,11 +14,11 @@ import torch
 
 import dflow_rt
 from dflow_rt import CheckpointError, InputError, RuntimeConfig
-from dflow_rt.limits import FIELD_CHECKS, cache_bytes
+from dflow_rt.engine.limits import FIELD_CHECKS, cache_bytes
+from dflow_rt.engine.runtime import Runtime
 from dflow_rt.models.bounds import parameter_count
 from dflow_rt.models.checkpoint import target_config
 from dflow_rt.models.layers import DEFAULT_POSITIONS
-from dflow_rt.runtime import Runtime
 from tests.conftest import FIXTURES
 from tests.helpers import fixed, ours_from_hf, random_relay, tiny_drafter, tiny_hf_target
 
@@ -63,7 +63,7 @@ def test_a_failed_runtime_leaves_the_models_as_they_were(reference_pair, monkeyp
     def broken(*args, **kwargs):
         raise RuntimeError("compiler failure")
 
-    monkeypatch.setattr("dflow_rt.runtime.build_rounds", broken)
+    monkeypatch.setattr("dflow_rt.engine.runtime.build_rounds", broken)
     with pytest.raises(RuntimeError, match="compiler failure"):
         Runtime(target, drafter, fixed(max_batch=1, max_len=longer))
     assert [(m.rotary.cos, m.rotary.sin) for m in (target, drafter)] == before

@@ -1,5 +1,5 @@
 """Lookup rounds: drafts from the text's own past, where a row's last tokens occurred before
-(`dflow_rt.lookup`). The index against a brute-force search, and the rounds lossless and keeping the
+(`dflow_rt.engine.lookup`). The index against a brute-force search, and the rounds lossless and keeping the
 drafter's context as plain steps do."""
 
 import pytest
@@ -7,10 +7,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import dflow_rt
+import dflow_rt.oracle
 from dflow_rt.config import RuntimeConfig
-from dflow_rt.fallback import LOOKUP_RETRY, PROBE, WINDOW, ArFallback
-from dflow_rt.lookup import N, NgramIndex
-from dflow_rt.runtime import Runtime
+from dflow_rt.engine.lookup import N, NgramIndex
+from dflow_rt.engine.policy import LOOKUP_RETRY, PROBE, WINDOW, ArFallback
+from dflow_rt.engine.runtime import Runtime
 from tests.helpers import fixed, random_relay
 from tests.test_fallback import _fallback_runtime
 from tests.test_runtime import CASES, record_buckets
@@ -40,7 +41,7 @@ def repeating_prompts(target, drafter) -> list[list[int]]:
     output, the prompt again (so lookup finds drafts the target accepts)."""
     out = []
     for c in CASES[:3]:
-        done = dflow_rt.reference.generate(target, drafter, c["prompt_ids"], 24, config=fixed(emit_mask_token=True))
+        done = dflow_rt.oracle.generate(target, drafter, c["prompt_ids"], 24, config=fixed(emit_mask_token=True))
         out.append(c["prompt_ids"] + done.token_ids + c["prompt_ids"])
     return out
 
@@ -59,7 +60,7 @@ def test_lookup_rounds_between_drafted_rounds_are_lossless(reference_pair, relay
         rt.step()
     for prompt, rid in zip(prompts, rids, strict=True):
         req = rt.pop(rid)
-        ref = dflow_rt.reference.generate(target, drafter, prompt, 40, config=fixed(emit_mask_token=True))
+        ref = dflow_rt.oracle.generate(target, drafter, prompt, 40, config=fixed(emit_mask_token=True))
         assert req.emitted == ref.token_ids
         assert req.lookup_rounds > 0 and req.lookup_tokens > req.lookup_rounds  # drafts found, and accepted
     assert {key[3:] for key in used} == {(1, False), (drafter.block_size, False), (drafter.block_size, True)}

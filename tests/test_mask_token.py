@@ -14,8 +14,8 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from dflow_rt.reference import generate as reference_generate
-from dflow_rt.runtime import Runtime
+from dflow_rt.engine.runtime import Runtime
+from dflow_rt.oracle import generate as reference_generate
 from tests.conftest import FIXTURES
 from tests.helpers import fixed, random_relay
 

@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import dflow_rt
+import dflow_rt.oracle
 from dflow_rt.models.drafter import relay_off, with_relay
 from dflow_rt.models.relay import RelayBuffer, shift_to_slots
 from tests.conftest import FIXTURES
@@ -65,8 +66,8 @@ def test_converted_drafter_drafts_exactly_like_its_parent(reference_pair, relay_
     converted = with_relay(parent, relay_hidden=32, seed=3, relay_input=relay_input)
     assert converted.relay is not None and converted.use_relay
     for case in CASES:
-        a = dflow_rt.reference.generate(target, parent, case["prompt_ids"], max_new_tokens=case["max_new_tokens"])
-        b = dflow_rt.reference.generate(target, converted, case["prompt_ids"], max_new_tokens=case["max_new_tokens"])
+        a = dflow_rt.oracle.generate(target, parent, case["prompt_ids"], max_new_tokens=case["max_new_tokens"])
+        b = dflow_rt.oracle.generate(target, converted, case["prompt_ids"], max_new_tokens=case["max_new_tokens"])
         assert a.token_ids == b.token_ids and a.acceptance_lengths == b.acceptance_lengths
 
 
@@ -76,9 +77,9 @@ def test_relay_changes_drafts_but_not_output(reference_pair, relay_input):
     drafter = random_relay(parent, relay_input=relay_input)
     changed = 0
     for case in CASES:
-        on = dflow_rt.reference.generate(target, drafter, case["prompt_ids"], max_new_tokens=48)
+        on = dflow_rt.oracle.generate(target, drafter, case["prompt_ids"], max_new_tokens=48)
         with relay_off(drafter):
-            off = dflow_rt.reference.generate(target, drafter, case["prompt_ids"], max_new_tokens=48)
+            off = dflow_rt.oracle.generate(target, drafter, case["prompt_ids"], max_new_tokens=48)
         assert on.token_ids == off.token_ids == case["output_ids"][:48]
         changed += on.acceptance_lengths != off.acceptance_lengths
     assert changed > 0, "a random relay should change some drafts"
@@ -96,7 +97,7 @@ def test_relay_buffer_keeps_its_storage(reference_pair):
         return original(*args, **kwargs)
 
     drafter.propose = spy
-    out = dflow_rt.reference.generate(target, drafter, CASES[0]["prompt_ids"], max_new_tokens=40)
+    out = dflow_rt.oracle.generate(target, drafter, CASES[0]["prompt_ids"], max_new_tokens=40)
     assert len(seen) == len(out.acceptance_lengths) > 3
     assert len({s[:2] for s in seen}) == 1, "the relay buffer must be written in place"
     assert len({s[2] for s in seen[1:]}) > 1, "the relay buffer must be rewritten every round"
@@ -113,14 +114,14 @@ def test_dflow_is_lossless(seed, vocab, block_size, prompt_len, max_new_tokens, 
     target = ours_from_hf(hf)
     drafter = random_relay(tiny_drafter(target, seed), relay_hidden=16, seed=seed, relay_input=relay_input)
     prompt = torch.randint(0, vocab, (prompt_len,), generator=torch.Generator().manual_seed(seed)).tolist()
-    out = dflow_rt.reference.generate(target, drafter, prompt, max_new_tokens, config=fixed(block_size=block_size))
+    out = dflow_rt.oracle.generate(target, drafter, prompt, max_new_tokens, config=fixed(block_size=block_size))
     assert out.token_ids == hf_greedy(hf, prompt, max_new_tokens, suppress=drafter.config.mask_token_id)
 
 
 def test_convert_command_writes_a_loadable_dflow_checkpoint(reference_pair, tmp_path):
     from safetensors import safe_open
 
-    from dflow_rt.cli import main
+    from dflow_rt.commands.main import main
 
     target, parent = reference_pair
     assert parent.relay is None and not parent.use_relay, "a DFlash checkpoint loads with the relay off"
@@ -136,8 +137,8 @@ def test_convert_command_writes_a_loadable_dflow_checkpoint(reference_pair, tmp_
     converted = dflow_rt.load_drafter(out, target)
     assert converted.use_relay
     for case in CASES[:3]:
-        a = dflow_rt.reference.generate(target, parent, case["prompt_ids"], max_new_tokens=32)
-        b = dflow_rt.reference.generate(target, converted, case["prompt_ids"], max_new_tokens=32)
+        a = dflow_rt.oracle.generate(target, parent, case["prompt_ids"], max_new_tokens=32)
+        b = dflow_rt.oracle.generate(target, converted, case["prompt_ids"], max_new_tokens=32)
         assert a.acceptance_lengths == b.acceptance_lengths and a.token_ids == b.token_ids
     assert main(["convert", "--from-dflash", str(out), "--out", str(tmp_path / "again")]) == 2
     kv = tmp_path / "dflow-kv"
@@ -145,6 +146,6 @@ def test_convert_command_writes_a_loadable_dflow_checkpoint(reference_pair, tmp_
     assert json.loads((kv / "config.json").read_text())["dflow_config"]["relay_input"] == "kv"
     converted = dflow_rt.load_drafter(kv, target)
     assert converted.config.relay_input == "kv"
-    b = dflow_rt.reference.generate(target, converted, CASES[0]["prompt_ids"], max_new_tokens=32)
-    assert b.acceptance_lengths == dflow_rt.reference.generate(target, parent, CASES[0]["prompt_ids"],
+    b = dflow_rt.oracle.generate(target, converted, CASES[0]["prompt_ids"], max_new_tokens=32)
+    assert b.acceptance_lengths == dflow_rt.oracle.generate(target, parent, CASES[0]["prompt_ids"],
                                                                max_new_tokens=32).acceptance_lengths

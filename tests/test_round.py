@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import dflow_rt
+import dflow_rt.oracle
 from tests.conftest import FIXTURES, REFERENCE_FIXTURES, load_pair
 from tests.helpers import fixed, hf_greedy, ours_from_hf, tiny_drafter, tiny_hf_target
 
@@ -25,10 +26,10 @@ def test_rounds_match_reference_implementation(fixture):
     for case in rounds["cases"]:
         # The public implementation lets the target choose the mask token (an ordinary id in these tiny
         # models): with `emit_mask_token` the round is exactly its round.
-        out = dflow_rt.reference.generate(target, drafter, case["prompt_ids"], max_new_tokens=case["max_new_tokens"],
+        out = dflow_rt.oracle.generate(target, drafter, case["prompt_ids"], max_new_tokens=case["max_new_tokens"],
                                           config=fixed(emit_mask_token=True))
         if mask in case["output_ids"]:  # by default the mask token is never chosen: the target's next choice
-            default = dflow_rt.reference.generate(target, drafter, case["prompt_ids"],
+            default = dflow_rt.oracle.generate(target, drafter, case["prompt_ids"],
                                                   max_new_tokens=case["max_new_tokens"])
             assert default.token_ids == hf_greedy(hf, case["prompt_ids"], case["max_new_tokens"], suppress=mask)
             assert mask not in default.token_ids
@@ -45,9 +46,9 @@ def test_rounds_match_reference_implementation(fixture):
 def test_prompt_as_tensor_and_autoregressive_mode(reference_pair):
     target, drafter = reference_pair
     case = ROUNDS["cases"][0]
-    as_tensor = dflow_rt.reference.generate(target, drafter, torch.tensor(case["prompt_ids"]), max_new_tokens=20)
-    plain = dflow_rt.reference.generate(target, None, case["prompt_ids"], max_new_tokens=20)
-    one = dflow_rt.reference.generate(target, drafter, case["prompt_ids"], 20, config=fixed(block_size=1))
+    as_tensor = dflow_rt.oracle.generate(target, drafter, torch.tensor(case["prompt_ids"]), max_new_tokens=20)
+    plain = dflow_rt.oracle.generate(target, None, case["prompt_ids"], max_new_tokens=20)
+    one = dflow_rt.oracle.generate(target, drafter, case["prompt_ids"], 20, config=fixed(block_size=1))
     assert as_tensor.token_ids == plain.token_ids == one.token_ids == case["output_ids"][:20]
     assert plain.acceptance_lengths == one.acceptance_lengths == [1] * 19
 
@@ -107,7 +108,7 @@ def test_lossless_against_target_greedy(seed, vocab, layers, tied, block_size, p
     if drafter_kind != "random":
         full = hf_greedy(hf, prompt, max_new_tokens + block_size, suppress=mask)
         drafter = OracleDrafter(drafter, prompt_len, full, 0.0 if drafter_kind == "oracle" else 0.3, seed)
-    out = dflow_rt.reference.generate(target, drafter, prompt, max_new_tokens, stops, fixed(block_size=block_size))
+    out = dflow_rt.oracle.generate(target, drafter, prompt, max_new_tokens, stops, fixed(block_size=block_size))
     assert out.token_ids == expected
     assert all(1 <= a <= block_size for a in out.acceptance_lengths)
     assert sum(out.acceptance_lengths) >= len(out.token_ids) - 1

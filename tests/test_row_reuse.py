@@ -14,7 +14,7 @@ import json
 
 import pytest
 
-from dflow_rt.runtime import Runtime
+from dflow_rt.engine.runtime import Runtime
 from tests.conftest import FIXTURES
 from tests.helpers import fixed, poison, random_relay
 

@@ -7,9 +7,10 @@ import torch
 from torch._dynamo.utils import counters
 
 import dflow_rt
+import dflow_rt.oracle
 from dflow_rt.config import RuntimeConfig
+from dflow_rt.engine.runtime import Runtime
 from dflow_rt.errors import InputError
-from dflow_rt.runtime import Runtime
 from tests.conftest import FIXTURES
 from tests.helpers import fixed, random_relay, whole_block
 
@@ -56,7 +57,7 @@ def test_every_mode_matches_the_reference_round(reference_pair, mode):
     assert len({key[1] for key in used}) >= 2, used
     assert any(drafter.config.mask_token_id in c["output_ids"] for c in CASES)  # the public round emits it here
     for case, out, cnt in zip(CASES, outs, counts, strict=True):
-        ref = dflow_rt.reference.generate(target, drafter, case["prompt_ids"], 64, config=fixed(emit_mask_token=True))
+        ref = dflow_rt.oracle.generate(target, drafter, case["prompt_ids"], 64, config=fixed(emit_mask_token=True))
         assert out == ref.token_ids == case["output_ids"]
         assert cnt == reference_counts(ref)
 
@@ -72,7 +73,7 @@ def test_inductor_round_matches_reference_round(reference_pair):
     used = record_buckets(rt)
     outs, counts = per_round(rt, [c["prompt_ids"] for c in CASES[:3]], 64)
     for case, out, cnt in zip(CASES[:3], outs, counts, strict=True):
-        ref = dflow_rt.reference.generate(target, drafter, case["prompt_ids"], max_new_tokens=64)
+        ref = dflow_rt.oracle.generate(target, drafter, case["prompt_ids"], max_new_tokens=64)
         assert out == ref.token_ids == case["output_ids"] and cnt == reference_counts(ref)
     assert {key[1] for key in used} == {64, 160} and {key[2] for key in used} == {True}
     eager = Runtime(target, drafter, fixed(max_batch=2, max_len=160))
@@ -97,7 +98,7 @@ def test_a_greedy_only_runtime_builds_no_sampling_round(reference_pair):
     assert not rt.waiting
     outs, counts = per_round(rt, [c["prompt_ids"] for c in CASES[:2]], 64)
     for case, out, cnt in zip(CASES[:2], outs, counts, strict=True):
-        ref = dflow_rt.reference.generate(target, drafter, case["prompt_ids"], max_new_tokens=64)
+        ref = dflow_rt.oracle.generate(target, drafter, case["prompt_ids"], max_new_tokens=64)
         assert out == ref.token_ids == case["output_ids"] and cnt == reference_counts(ref)
 
 
@@ -124,7 +125,7 @@ def test_dflow_relay_in_static_round_matches_reference_round(reference_pair, rel
     rt = Runtime(target, drafter, fixed(max_batch=2, max_len=160))
     outs, counts = per_round(rt, [c["prompt_ids"] for c in CASES[:4]], 48)
     for case, out, cnt in zip(CASES[:4], outs, counts, strict=True):
-        ref = dflow_rt.reference.generate(target, drafter, case["prompt_ids"], max_new_tokens=48)
+        ref = dflow_rt.oracle.generate(target, drafter, case["prompt_ids"], max_new_tokens=48)
         assert out == ref.token_ids and cnt == reference_counts(ref)
 
 
@@ -269,7 +270,7 @@ def test_finished_rows_stay_inside_a_tight_cache(reference_pair):
     rt = Runtime(target, drafter, fixed(max_batch=2, max_len=max(map(len, prompts)) + max_new + 16))
     outs = rt.generate(prompts, max_new_tokens=max_new)
     for p, out in zip(prompts, outs, strict=True):
-        assert out == dflow_rt.reference.generate(target, drafter, p, max_new_tokens=max_new).token_ids
+        assert out == dflow_rt.oracle.generate(target, drafter, p, max_new_tokens=max_new).token_ids
 
 
 @pytest.mark.parametrize("relay, whole", [(False, False), (True, False), (False, True), (True, True)],
@@ -288,7 +289,7 @@ def test_every_verify_width_matches_the_reference_round(reference_pair, relay, w
         rt = Runtime(target, drafter, RuntimeConfig(mode="eager", max_batch=2, max_len=96, verify_width=k))
         outs, counts = per_round(rt, prompts, 40)
         for prompt, out, cnt, truth in zip(prompts, outs, counts, greedy, strict=True):
-            ref = dflow_rt.reference.generate(target, drafter, prompt, 40, config=fixed(verify_width=k))
+            ref = dflow_rt.oracle.generate(target, drafter, prompt, 40, config=fixed(verify_width=k))
             assert out == ref.token_ids == truth, k
             assert cnt == reference_counts(ref), k
             assert max(ref.acceptance_lengths) <= k
@@ -306,7 +307,7 @@ def test_compiled_whole_block_round_matches_the_reference_round(reference_pair):
     prompts = [c["prompt_ids"] for c in CASES[:2]]
     outs, counts = per_round(rt, prompts, 40)
     for prompt, out, cnt, case in zip(prompts, outs, counts, CASES, strict=False):
-        ref = dflow_rt.reference.generate(target, drafter, prompt, 40, config=fixed(verify_width=4))
+        ref = dflow_rt.oracle.generate(target, drafter, prompt, 40, config=fixed(verify_width=4))
         assert out == ref.token_ids == case["output_ids"][:40] and cnt == reference_counts(ref)
 
 

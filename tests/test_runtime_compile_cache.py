@@ -14,13 +14,14 @@ import torch
 from torch._dynamo.aot_compile import AOTCompiledFunction
 
 import dflow_rt
+import dflow_rt.oracle
 from dflow_rt import Runtime, RuntimeConfig
+from dflow_rt.engine.tuned import resolve
 from dflow_rt.errors import InputError
 from dflow_rt.graphs import compile_cache
 from dflow_rt.graphs.plan import RoundPlan
 from dflow_rt.kernels.attention import cpu_serves_every_pass
-from dflow_rt.models import cpu_gemv
-from dflow_rt.tuned import resolve
+from dflow_rt.kernels.cpu import ops as cpu_ops
 from tests.test_runtime import CASES
 
 
@@ -40,7 +41,7 @@ def test_cached_rounds_decode_the_same_tokens_and_a_corrupt_entry_is_rebuilt(ref
     prompts = [c["prompt_ids"] for c in CASES[:2]]
     fresh = Runtime(target, drafter, config(compile_cache=False))
     want = [fresh.generate([p], max_new_tokens=40)[0] for p in prompts]
-    assert want == [dflow_rt.reference.generate(target, drafter, p, max_new_tokens=40).token_ids for p in prompts]
+    assert want == [dflow_rt.oracle.generate(target, drafter, p, max_new_tokens=40).token_ids for p in prompts]
     assert not cache.exists()  # compile_cache=False writes nothing
 
     grads = [torch.full_like(p, 0.5) for p in target.parameters()]  # as a model trained in this process has
@@ -100,7 +101,7 @@ def test_a_graph_whose_guards_reject_the_runtime_is_rebuilt(reference_pair, cach
     rt = Runtime(target, drafter, small)
     err = capsys.readouterr().err
     assert not rt.compile_cache_hit and err.count("does not fit this Runtime") == 2, err
-    want = dflow_rt.reference.generate(target, drafter, prompt, max_new_tokens=30).token_ids  # greedy: the target's own
+    want = dflow_rt.oracle.generate(target, drafter, prompt, max_new_tokens=30).token_ids  # greedy: the target's own
     checks = []
     check = AOTCompiledFunction.guard_check
     monkeypatch.setattr(AOTCompiledFunction, "guard_check", lambda *a, **k: checks.append(1) or check(*a, **k))
@@ -135,8 +136,8 @@ def test_the_key_follows_what_the_compiled_code_depends_on(reference_pair, monke
     assert key != compile_cache.entry_key(target, None, base)[0]
     half = dflow_rt.Target(target.config).to(torch.bfloat16)
     assert key != compile_cache.entry_key(half, drafter, base)[0]
-    kernel = cpu_gemv.enabled()
-    monkeypatch.setattr(cpu_gemv, "_ready", not kernel)  # DFLOW_RT_CPU_GEMV=0, or a CPU without the kernel
+    kernel = cpu_ops.enabled()
+    monkeypatch.setattr(cpu_ops, "_ready", not kernel)  # DFLOW_RT_CPU_GEMV=0, or a CPU without the kernel
     assert key != compile_cache.entry_key(target, drafter, base)[0]
 
 
@@ -179,5 +180,5 @@ def test_a_cpu_plan_without_length_buckets_traces_one_static_length(reference_pa
     rt = Runtime(target, drafter, RuntimeConfig(**settings, max_len=160))
     assert rt.plan.static_length and {key[1] for key in rt.rounds} == {512}
     for case in CASES[:2]:
-        want = dflow_rt.reference.generate(target, drafter, case["prompt_ids"], max_new_tokens=40).token_ids
+        want = dflow_rt.oracle.generate(target, drafter, case["prompt_ids"], max_new_tokens=40).token_ids
         assert rt.generate([case["prompt_ids"]], max_new_tokens=40)[0] == want

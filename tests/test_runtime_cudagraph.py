@@ -12,8 +12,8 @@ import json
 import pytest
 import torch
 
-import dflow_rt.reference
-from dflow_rt.runtime import Runtime
+import dflow_rt.oracle
+from dflow_rt.engine.runtime import Runtime
 from tests.conftest import FIXTURES, load_pair
 from tests.helpers import fixed, random_relay
 
@@ -74,7 +74,7 @@ def test_cudagraph_matches_the_reference_round(pair, kernels, emit):
     outs, counts = per_round(rt, PROMPTS, 64)
     assert len({key[0] for key in used}) >= 2 and len({key[1] for key in used}) >= 2, used
     for case, out, cnt in zip(CASES, outs, counts, strict=True):
-        ref = dflow_rt.reference.generate(target, drafter, case["prompt_ids"], 64, config=fixed(emit_mask_token=emit))
+        ref = dflow_rt.oracle.generate(target, drafter, case["prompt_ids"], 64, config=fixed(emit_mask_token=emit))
         assert out == ref.token_ids and cnt == reference_counts(ref)
         if emit:
             assert out == case["output_ids"]
@@ -98,7 +98,7 @@ def test_cudagraph_samples_as_eager(pair, kernels):
         runs.append([(rt.requests[r].emitted, rt.requests[r].acceptance) for r in rids])
     captured, eager = runs
     assert captured == eager
-    greedy = dflow_rt.reference.generate(target, drafter, PROMPTS[0], 40, config=fixed())
+    greedy = dflow_rt.oracle.generate(target, drafter, PROMPTS[0], 40, config=fixed())
     assert captured[0] == (greedy.token_ids, greedy.acceptance_lengths)
 
 
@@ -108,7 +108,7 @@ def test_inductor_cudagraph_matches_the_reference_round(pair):
     rt = Runtime(target, drafter, cudagraph(max_batch=2, max_len=160, compiler="inductor"))
     outs, counts = per_round(rt, PROMPTS[:4], 48)
     for prompt, out, cnt in zip(PROMPTS[:4], outs, counts, strict=True):
-        ref = dflow_rt.reference.generate(target, drafter, prompt, 48, config=fixed())
+        ref = dflow_rt.oracle.generate(target, drafter, prompt, 48, config=fixed())
         assert out == ref.token_ids and cnt == reference_counts(ref)
     sampled = {"max_new_tokens": 32, "temperature": 1.0, "top_p": 0.9, "seed": 2}
     eager = Runtime(target, drafter, fixed(max_batch=2, max_len=160))

@@ -8,9 +8,9 @@ import pytest
 import torch
 from transformers import SuppressTokensLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
+from dflow_rt.engine.runtime import Runtime
+from dflow_rt.kernels.sampling import sample
 from dflow_rt.models.drafter import relay_off
-from dflow_rt.runtime import Runtime
-from dflow_rt.sampling import sample
 from tests.conftest import FIXTURES
 from tests.helpers import fixed, ours_from_hf, random_relay, tiny_drafter, tiny_hf_target
 

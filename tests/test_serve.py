@@ -29,8 +29,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from dflow_rt.config import RuntimeConfig
 from dflow_rt.data.prompts import chat_text, suite_texts
+from dflow_rt.engine.runtime import Runtime
 from dflow_rt.models.bundled import load_models
-from dflow_rt.runtime import Runtime
 from dflow_rt.serve.app import create_app
 from dflow_rt.serve.engine import Engine, Params
 from dflow_rt.tokenizer import stop_token_ids
@@ -64,7 +64,7 @@ def subprocess_server(tmp_path_factory):
     """`dflow-rt serve` with 2 rows and a queue of 1, started first so that it boots during the other tests."""
     port, log = free_port(), tmp_path_factory.mktemp("serve") / "stderr.txt"
     with open(log, "wb") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "dflow_rt.cli", "serve", "--port", str(port), "--max-batch",
+        proc = subprocess.Popen([sys.executable, "-m", "dflow_rt", "serve", "--port", str(port), "--max-batch",
                                  "2", "--max-queue", "1", "--max-len", "512", "--mode", "eager", "--log-level",
                                  "warning", "--shutdown-grace", "0.5"], stdout=subprocess.DEVNULL, stderr=err)
     proc.log = log
@@ -141,8 +141,8 @@ def test_dflow_rt_and_its_command_line_import_without_the_serve_packages():
     code = ("import sys\n"
             "for name in ('fastapi', 'uvicorn', 'sse_starlette', 'starlette', 'openai', 'prometheus_client'):\n"
             "    sys.modules[name] = None\n"
-            "import dflow_rt, dflow_rt.cli\n"
-            "args = dflow_rt.cli.parser().parse_args(['serve', '--port', '0'])\n"
+            "import dflow_rt, dflow_rt.commands.main\n"
+            "args = dflow_rt.commands.main.parser().parse_args(['serve', '--port', '0'])\n"
             "assert args.max_batch == 16\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
@@ -171,7 +171,7 @@ def test_streamed_text_holds_back_half_characters_and_stop_prefixes(pair, stops)
 
 
 def test_greedy_completion_is_the_cli_text_and_the_stream_adds_up_to_it(server, alone, pair, capsys):
-    from dflow_rt.cli import main
+    from dflow_rt.commands.main import main
 
     _, _, client = server
     prompt = "def fibonacci(n):"
@@ -410,7 +410,7 @@ def test_an_api_key_guards_every_route_but_health(pair, monkeypatch):
     """With a key, a request without it or with another gets 401 as an OpenAI error (the official client
     raises AuthenticationError); /health stays open for probes. The CLI takes the key from --api-key or
     DFLOW_RT_API_KEY."""
-    from dflow_rt.serve.cli import api_key_of
+    from dflow_rt.commands.serve import api_key_of
 
     target, drafter, tokenizer = pair
     engine = Engine(Runtime(target, drafter, fixed(max_batch=2, max_len=MAX_LEN)), tokenizer, max_queue=2,

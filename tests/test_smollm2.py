@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import dflow_rt
+import dflow_rt.oracle
 from dflow_rt.errors import InputError
 from dflow_rt.models import fetch
 from dflow_rt.models.bundled import target_dir
@@ -75,7 +76,7 @@ def test_greedy_matches_transformers(smollm2):
     stops = [tok.eos_token_id]
     for ids in prompts:
         n = 24 + len(ids) % 9  # 24..32 new tokens
-        ours = dflow_rt.reference.generate(target, None, ids, max_new_tokens=n, stop_token_ids=stops).token_ids
+        ours = dflow_rt.oracle.generate(target, None, ids, max_new_tokens=n, stop_token_ids=stops).token_ids
         with torch.no_grad():
             x = torch.tensor([ids])
             theirs = hf.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=n,
@@ -147,8 +148,8 @@ def test_bundled_drafters_are_lossless_and_draft(smollm2):
         assert (drafter.relay is not None) == (name == "dflow") and drafter.config.mask_token_id == 16
         taus = []
         for ids in prompts[:2] + code:
-            spec = dflow_rt.reference.generate(target, drafter, ids, max_new_tokens=32)
-            assert spec.token_ids == dflow_rt.reference.generate(target, None, ids, max_new_tokens=32).token_ids
+            spec = dflow_rt.oracle.generate(target, drafter, ids, max_new_tokens=32)
+            assert spec.token_ids == dflow_rt.oracle.generate(target, None, ids, max_new_tokens=32).token_ids
             taus.append(spec.tau)
         assert sum(taus) / len(taus) > 1.2, taus  # a drafter that never hits: 1.0
 
@@ -168,7 +169,7 @@ def test_llama_cpp_decodes_our_greedy_tokens_from_the_converted_weights(smollm2)
     lookup = llamacpp.llama_cpp_runner(gguf, stops, threads=1, n_ctx=128, prompt_lookup=8)
     same = []
     for ids in prompts:
-        ours = dflow_rt.reference.generate(target, None, ids, max_new_tokens=24, stop_token_ids=stops).token_ids
+        ours = dflow_rt.oracle.generate(target, None, ids, max_new_tokens=24, stop_token_ids=stops).token_ids
         theirs = plain([ids], 24)
         assert theirs.outputs[0][0] == ours[0] and theirs.decode_tokens == len(theirs.outputs[0]) - 1
         same.append(theirs.outputs[0] == ours)

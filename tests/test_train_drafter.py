@@ -19,6 +19,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 import dflow_rt
+import dflow_rt.oracle
+from dflow_rt.commands.train import main
 from dflow_rt.data import corpus as data
 from dflow_rt.data import prompts
 from dflow_rt.errors import InputError
@@ -28,7 +30,6 @@ from dflow_rt.models.drafter import with_relay
 from dflow_rt.models.target import Target, TargetConfig
 from dflow_rt.tokenizer import load_tokenizer, train_tokenizer
 from dflow_rt.train import anchors, loop, regen, sequences
-from dflow_rt.train.cli import main
 from dflow_rt.train.drafter_training import freeze_shared_weights, make_optimizer
 from dflow_rt.train.loop import clip_gradients
 from dflow_rt.train.objective import (
@@ -61,7 +62,7 @@ def run_cli(argv: list[str]) -> int:
 
 def sequence(case: dict, target, drafter, n: int = 64) -> torch.Tensor:
     """A ground-truth row: prompt + the target's greedy continuation (what regen writes)."""
-    out = dflow_rt.reference.generate(target, drafter, case["prompt_ids"], max_new_tokens=n)
+    out = dflow_rt.oracle.generate(target, drafter, case["prompt_ids"], max_new_tokens=n)
     return torch.tensor([case["prompt_ids"] + out.token_ids])
 
 
@@ -140,7 +141,7 @@ def test_rounds_unrolled_from_the_prompt_are_the_rounds_of_generate(reference_pa
     `generate` accepts (all but the last round, which `generate` cuts at max_new_tokens)."""
     target, drafter = reference_pair
     for case in CASES:
-        out = dflow_rt.reference.generate(target, drafter, case["prompt_ids"], max_new_tokens=64)
+        out = dflow_rt.oracle.generate(target, drafter, case["prompt_ids"], max_new_tokens=64)
         ids = torch.tensor([case["prompt_ids"] + out.token_ids])
         trace = []
         with torch.no_grad():
@@ -276,7 +277,7 @@ def test_regen_writes_target_greedy_continuations_of_training_prompts(tiny_dir, 
         assert seqs[i][:len(prompt)].tolist() == prompt and kind == seqs.kinds[i]
     for i in (0, 1, 2):  # batched greedy == the reference round without a drafter
         P = int(seqs.prompt_lens[i])
-        cont = dflow_rt.reference.generate(target, None, seqs[i][:P], max_new_tokens=len(seqs[i]) - P).token_ids
+        cont = dflow_rt.oracle.generate(target, None, seqs[i][:P], max_new_tokens=len(seqs[i]) - P).token_ids
         assert seqs[i][P:].tolist() == cont
     heldout = data.heldout_chat_prompts() + data.heldout_math_prompts(200)
     assert not any(q in t for q in heldout for t in texts)
@@ -352,8 +353,8 @@ def test_dflash_training_lowers_loss_and_exports_a_lossless_drafter(dflash_run, 
     seqs = sequences.load_sequences(tiny_dir.parent / "data.safetensors")
     for i in (20, 21, 22, 23):  # held-out rows
         prompt = seqs[i][:int(seqs.prompt_lens[i])]
-        spec = dflow_rt.reference.generate(target, drafter, prompt, max_new_tokens=40)
-        assert spec.token_ids == dflow_rt.reference.generate(target, None, prompt, max_new_tokens=40).token_ids
+        spec = dflow_rt.oracle.generate(target, drafter, prompt, max_new_tokens=40)
+        assert spec.token_ids == dflow_rt.oracle.generate(target, None, prompt, max_new_tokens=40).token_ids
 
 
 @pytest.mark.parametrize("kind, flags", [("dflash", []), ("dflow", []), ("dflow", ["--freeze-base"])])
@@ -387,8 +388,8 @@ def test_dflow_training_writes_a_loadable_dflow_drafter(tiny_dir, data_file, dfl
     drafter = dflow_rt.load_drafter(out, target)
     assert drafter.relay is not None and drafter.use_relay
     prompt = sequences.load_sequences(data_file)[22][:40]
-    assert (dflow_rt.reference.generate(target, drafter, prompt, max_new_tokens=40).token_ids ==
-            dflow_rt.reference.generate(target, None, prompt, max_new_tokens=40).token_ids)
+    assert (dflow_rt.oracle.generate(target, drafter, prompt, max_new_tokens=40).token_ids ==
+            dflow_rt.oracle.generate(target, None, prompt, max_new_tokens=40).token_ids)
     # From scratch: a fresh DFlow drafter (zero-init relay) of the requested shape.
     scratch = tmp_path / "scratch"
     assert run_cli(["dflow", "--target", str(tiny_dir), "--data", str(data_file), "--out", str(scratch), *RUN,
@@ -503,7 +504,7 @@ def test_ddp_two_ranks_match_one_process_for_dflow(tiny_dir, data_file, dflash_r
     assert run_cli([*common, "--out", str(one), "--batch", "4"]) == 0
     two = tmp_path / "two"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "dflow_rt.train.cli", *common, "--out", str(two), "--batch", "2"]
+           "-m", "dflow_rt.commands.train", *common, "--out", str(two), "--batch", "2"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -541,8 +542,8 @@ def test_generate_is_lossless_with_a_bf16_target_and_a_float32_drafter(reference
     target = copy.deepcopy(reference_pair[0]).to(torch.bfloat16)
     drafter = random_relay(reference_pair[1])
     for case in CASES[:2]:
-        plain = dflow_rt.reference.generate(target, None, case["prompt_ids"], max_new_tokens=40).token_ids
-        out = dflow_rt.reference.generate(target, drafter, case["prompt_ids"], max_new_tokens=40)
+        plain = dflow_rt.oracle.generate(target, None, case["prompt_ids"], max_new_tokens=40).token_ids
+        out = dflow_rt.oracle.generate(target, drafter, case["prompt_ids"], max_new_tokens=40)
         assert out.token_ids == plain and out.tau > 1  # drafts crossed over and were accepted
         runtime = dflow_rt.Runtime(target, drafter, fixed(max_batch=2, max_len=256))
         assert runtime.generate([case["prompt_ids"]], max_new_tokens=40)[0] == plain
@@ -601,8 +602,8 @@ def test_draft_vocab_sequences_and_amp_options(tiny_dir, data_file, tmp_path, ca
     target = dflow_rt.load_target(tiny_dir)
     drafter = dflow_rt.load_drafter(out, target)
     prompt = seqs[22][:int(seqs.prompt_lens[22])]
-    assert dflow_rt.reference.generate(target, drafter, prompt, max_new_tokens=30).token_ids == \
-        dflow_rt.reference.generate(target, None, prompt, max_new_tokens=30).token_ids
+    assert dflow_rt.oracle.generate(target, drafter, prompt, max_new_tokens=30).token_ids == \
+        dflow_rt.oracle.generate(target, None, prompt, max_new_tokens=30).token_ids
     bad = ["dflash", "--target", str(tiny_dir), "--data", str(data_file), "--out", str(tmp_path / "x"), *RUN,
            "--steps", "2"]
     assert run_cli([*bad, "--sequences", "21"]) == 2  # 24 rows less 4 held out

@@ -19,10 +19,10 @@ import torch
 from safetensors.torch import load_file
 
 import dflow_rt
+from dflow_rt.commands.train import main
 from dflow_rt.data import corpus as data
 from dflow_rt.data import synth
 from dflow_rt.tokenizer import SPECIAL_TOKENS, load_tokenizer
-from dflow_rt.train.cli import main
 
 TINY = ["--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2", "--ffn", "128", "--seq-len", "32",
         "--warmup", "4", "--lr", "1e-2", "--max-files", "6", "--math-per-epoch", "300", "--math-chat-per-epoch",
@@ -215,7 +215,7 @@ def test_ddp_two_ranks_match_one_process(reference_run, tok_dir, tmp_path):
     data, a wrong gradient scale, unsynchronised weights) moves the loss by > 1e-2 from step 2 on."""
     out = tmp_path / "ddp"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "dflow_rt.train.cli", "target", "--tokenizer", str(tok_dir), "--out", str(out), *TINY,
+           "-m", "dflow_rt.commands.train", "target", "--tokenizer", str(tok_dir), "--out", str(out), *TINY,
            "--batch", "4", "--steps", str(STEPS), "--threads", "1"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
@@ -230,7 +230,7 @@ def test_ddp_two_ranks_match_one_process(reference_run, tok_dir, tmp_path):
 def test_ctrl_c_checkpoints_a_time_budgeted_run(tok_dir, tmp_path):
     """--minutes plans a step count after 20 steps; SIGINT then ends the run with a checkpoint."""
     out = tmp_path / "target"
-    cmd = [sys.executable, "-m", "dflow_rt.train.cli", "target", "--tokenizer", str(tok_dir), "--out", str(out),
+    cmd = [sys.executable, "-m", "dflow_rt.commands.train", "target", "--tokenizer", str(tok_dir), "--out", str(out),
            *TINY, "--batch", "4", "--minutes", "30", "--threads", "1"]
     proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

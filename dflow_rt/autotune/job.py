@@ -24,9 +24,9 @@ import torch
 from tqdm import tqdm
 
 from dflow_rt.config import DTYPES, RuntimeConfig
+from dflow_rt.engine.runtime import Runtime
+from dflow_rt.engine.tuned import TunedConfig, apply
 from dflow_rt.errors import InputError
-from dflow_rt.runtime import Runtime
-from dflow_rt.tuned import TunedConfig, apply
 
 MIN_NOISE = 0.02  # paired ratios within 2 % are noise on any machine we measured: a win must clear it
 Timer = Callable[[TunedConfig, int, Callable[[], int]], tuple[int, float]]  # (point, rows, step) -> (tokens, s)

@@ -74,7 +74,7 @@ def _fetch(name: str, into: Path) -> list[str]:
 @cache
 def questions(name: str) -> tuple[str, ...]:
     """The questions of public set `name`, in the set's own order (fetched once, then read from the cache)."""
-    from dflow_rt.models.fetch import cache_root
+    from dflow_rt.paths import cache_root
 
     if name not in SETS:
         raise SetError(f"unknown public set {name!r} (known: {', '.join(SETS)})")

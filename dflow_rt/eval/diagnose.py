@@ -11,7 +11,7 @@
 
 from __future__ import annotations
 
-from dflow_rt.reference import RoundTrace, generate
+from dflow_rt.oracle import RoundTrace, generate
 
 
 def relay_diagnostics(target, drafter, prompts: list[list[int]], max_new_tokens: int = 128,

@@ -16,9 +16,9 @@ import torch
 
 from dflow_rt.config import RuntimeConfig
 from dflow_rt.data.synth import stable_unit
+from dflow_rt.engine.runtime import Runtime
 from dflow_rt.errors import RequestError
 from dflow_rt.models.drafter import relay_off
-from dflow_rt.runtime import Runtime
 
 
 @dataclass

@@ -22,15 +22,15 @@ import torch
 from dflow_rt.graphs.plan import RoundPlan
 from dflow_rt.graphs.state import DecodeState
 from dflow_rt.kernels.commit import commit_torch
-from dflow_rt.sampling import sample, screen, uniform
+from dflow_rt.kernels.sampling import sample, screen, uniform
 
 
 def draft(target, drafter, s: DecodeState, plan: RoundPlan, width: int | None = None,
           lookup: bool = False) -> torch.Tensor:
     """Block ids [rows, width] (default width B): the last token, then the drafter's proposals (or
     masks without one). At width 1, a plain target step, the drafter only writes the last verify's
-    features to its context (`dflow_rt.fallback`); so it does in a `lookup` round, whose drafts the
-    host wrote to `s.lookup` (the text's own continuation, `dflow_rt.lookup`).
+    features to its context (`dflow_rt.engine.policy`); so it does in a `lookup` round, whose drafts the
+    host wrote to `s.lookup` (the text's own continuation, `dflow_rt.engine.lookup`).
 
     The context write covers the relay buffer's first `plan.context_width` rows, the widest verify
     of this Runtime: a verify at width k commits at most k positions, and the rows past them are
@@ -42,7 +42,7 @@ def draft(target, drafter, s: DecodeState, plan: RoundPlan, width: int | None = 
     products and attention then cover fewer rows (a compiled SmolLM2 round at width 2 costs about
     7 % less on CPU), and the drafts, which see fewer mask positions in the block's bidirectional
     attention, change a little (tau 1-3 % lower; docs/experiments.md, "The draft pass cut to the
-    verified positions"). `dflow_rt.reference` drafts the same way. A drafter whose config sets
+    verified positions"). `dflow_rt.oracle` drafts the same way. A drafter whose config sets
     `draft_whole_block` pads the pass back to its whole block (`Drafter.propose`)."""
     block = torch.where(s.slots == 0, s.tokens[:, None], plan.filler)[:, :width]
     if lookup:

@@ -12,7 +12,7 @@ never trusted. Graphs are written one by one as they compile, so an interrupted 
 what it finished. Weights are inputs of the compiled graphs, not constants (`runner.compiling`), so
 the code does not depend on their values and one entry serves every checkpoint of a shape.
 
-Entries live under `$DFLOW_RT_CACHE/compiled/` (`models.fetch.cache_root`). Unless the process
+Entries live under `$DFLOW_RT_CACHE/compiled/` (`dflow_rt.paths.cache_root`). Unless the process
 chose its own (`TORCHINDUCTOR_CACHE_DIR`), torch's cache goes there too (`compiled/inductor/`):
 it holds the compiled C++ and Triton kernels, which the graph files name but do not carry (without
 it a load builds them again, minutes on CPU), and unlike torch's default under /tmp it survives a
@@ -35,16 +35,16 @@ from pathlib import Path
 
 import torch
 
-from dflow_rt import exact_codes
-from dflow_rt.models import cpu_gemv
+from dflow_rt.kernels.cpu import ops as cpu_ops
+from dflow_rt.models import exact_codes
 
 MAX_BYTES = int(os.environ.get("DFLOW_RT_COMPILE_CACHE_BYTES", 2 * 1024**3))
 GRAPH, META, INDUCTOR = ".graph", "entry.json", "inductor"
-SOURCES = ("graphs", "models", "kernels", "sampling.py")  # the code the compiled rounds trace
+SOURCES = ("graphs", "models", "kernels")  # the code the compiled rounds trace
 
 
 def root() -> Path:
-    from dflow_rt.models.fetch import cache_root
+    from dflow_rt.paths import cache_root
 
     return cache_root() / "compiled"
 
@@ -84,7 +84,7 @@ def entry_key(target, drafter, settings: dict) -> tuple[str, dict]:
             "device": device.type, "threads": torch.get_num_threads(), "torch": torch.__version__,
             "python": sys.version.split()[0],
             "isa": torch.backends.cpu.get_cpu_capability() if cpu else torch.cuda.get_device_name(device),
-            "cpu_gemv": cpu and cpu_gemv.enabled(), "code": _code_digest()}
+            "cpu_gemv": cpu and cpu_ops.enabled(), "code": _code_digest()}
     blob = json.dumps(what, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:24], what
 

@@ -12,7 +12,7 @@ from dflow_rt.config import RuntimeConfig
 from dflow_rt.errors import InputError
 from dflow_rt.kernels import Kernels, select_for
 from dflow_rt.kernels.attention import cpu_serves_every_pass
-from dflow_rt.sampling import excluded_token
+from dflow_rt.kernels.sampling import excluded_token
 
 
 @dataclass(frozen=True)
@@ -74,14 +74,14 @@ class RoundPlan:
 
     def round_widths(self, rows: int) -> tuple[int, ...]:
         """The verify widths bucket `rows` has a round for: its own k, and with the fallback also 1 (a
-        plain step) and ceil(k / 2), among which `dflow_rt.fallback` chooses per round."""
+        plain step) and ceil(k / 2), among which `dflow_rt.engine.policy` chooses per round."""
         k = self.widths[rows]
         return tuple(sorted({1, (k + 1) // 2, k})) if self.ar_fallback else (k,)
 
     def graphs(self, variants: tuple[bool, ...]) -> list[tuple[int, bool, int, bool]]:
         """(rows, greedy, width, lookup) of every round graph, for the greedy `variants` built: each
         bucket's `round_widths` in each variant, and with `lookup` a round at the bucket's k whose
-        drafts the host writes (`dflow_rt.lookup`), also in each variant: a looked-up token is a
+        drafts the host writes (`dflow_rt.engine.lookup`), also in each variant: a looked-up token is a
         point-mass draft like the drafter's argmax, which the sampled verify accepts losslessly."""
         drafted = [(n, g, k, False) for n in self.rows for g in variants for k in self.round_widths(n)]
         return drafted + [(n, g, self.widths[n], True) for n in self.rows for g in variants if self.lookup]

@@ -13,7 +13,7 @@ from dflow_rt.graphs import compile_cache
 from dflow_rt.graphs.batched_round import decode_round
 from dflow_rt.graphs.plan import RoundPlan
 from dflow_rt.graphs.state import DecodeState
-from dflow_rt.models import cpu_gemv
+from dflow_rt.kernels.cpu import ops as cpu_ops
 
 log = logging.getLogger("dflow_rt")
 Bucket = tuple[int, int, bool, int, bool]  # (rows, cache length, greedy: no live row samples, verify width, lookup)
@@ -39,7 +39,7 @@ def build_rounds(target, drafter, state: DecodeState, plan: RoundPlan,
     graphs = {(n, g, k, lu): functools.partial(decode_round, target, drafter, plan=plan, width=k, greedy=g, lookup=lu)
               for n, g, k, lu in plan.graphs(greedy_variants(plan.mode, plan.sampling))}
     if plan.mode != "eager":
-        cpu_gemv.enabled()  # built or loaded now: a trace never builds it
+        cpu_ops.enabled()  # built or loaded now: a trace never builds it
         with compiling(plan.compiler, state.tokens.device, plan.freeze):
             graphs = compiled_graphs(target, drafter, state, plan, views, list(graphs), cache)
     rounds = {(n, L, *key[1:]): functools.partial(graphs[key], view)

@@ -27,7 +27,7 @@ class DecodeState:
     seed: torch.Tensor         # [rows] long
     faulted: torch.Tensor      # [rows] bool: a NaN/inf logit since the row was last cleaned
     out: torch.Tensor          # [rows, B + 3] long: count, the tokens emitted this round, then `faulted`
-    lookup: torch.Tensor       # [rows, B - 1] long: a lookup round's drafts, written by the host (`dflow_rt.lookup`)
+    lookup: torch.Tensor       # [rows, B - 1] long: a lookup round's drafts, written by the host (engine/lookup.py)
     slots: torch.Tensor        # [B] arange, kept to avoid a per-round allocation
     target_cache: KVCache
     draft_cache: KVCache | None

@@ -19,12 +19,21 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from dflow_rt.kernels.cpu import ops as cpu_ops
 from dflow_rt.kernels.selection import interpreting, triton_kernel
-from dflow_rt.models import cpu_gemv
-from dflow_rt.models.layers import cache_mask
 
 HEAD_SIZES = (8, 16, 32, 64, 128)  # what the C++ kernel serves on AVX-512 and AVX2 alike
 tl: Any = None  # triton.language, bound on the first launch (selection.triton_kernel)
+
+
+def cache_mask(positions: torch.Tensor, length: int, causal: bool) -> torch.Tensor:
+    """[b, n, length]: the cache positions that queries at `positions` [b, n] (each row's run on
+    from positions[:, 0]) see: up to their own (`causal`: prefill and verify), or every position
+    before the end of their block (the drafter's bidirectional block)."""
+    keys = torch.arange(length, device=positions.device)
+    if causal:
+        return keys <= positions[:, :, None]
+    return (keys < positions[:, :1, None] + positions.shape[1]).expand(-1, positions.shape[1], -1)
 
 
 def attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: torch.Tensor,
@@ -37,22 +46,22 @@ def attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: to
 def cpu_serves_every_pass(target, drafter, block_size: int) -> bool:
     """Whether `attention_cpu` serves every decode pass of these models by its C++ kernel (so that no
     round's cost depends on its cache view's length): float32 on CPU, head sizes in HEAD_SIZES,
-    blocks of at most `cpu_gemv.MAX_ROWS` queries, the kernel built."""
+    blocks of at most `cpu_ops.MAX_ROWS` queries, the kernel built."""
     models = [m for m in (target, drafter) if m is not None]
-    return (block_size <= cpu_gemv.MAX_ROWS and all(m.config.head_dim in HEAD_SIZES for m in models)
+    return (block_size <= cpu_ops.MAX_ROWS and all(m.config.head_dim in HEAD_SIZES for m in models)
             and all(w.dtype == torch.float32 and w.device.type == "cpu" for w in (next(m.parameters()) for m in models))
-            and cpu_gemv.enabled())
+            and cpu_ops.enabled())
 
 
 def attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: torch.Tensor,
                   causal: bool) -> torch.Tensor:
     """`attention_torch` by the C++ kernel (`models/cpu_attention.cpp`) where it serves: float32 on CPU,
-    at most `cpu_gemv.MAX_ROWS` query rows (decode, verify, draft; prefill stays with SDPA), no
+    at most `cpu_ops.MAX_ROWS` query rows (decode, verify, draft; prefill stays with SDPA), no
     autograd, a head size in HEAD_SIZES. Each row reads only the keys it sees, summed in a fixed
     order: bit-identical whatever rows share the call and whatever the cache view's length."""
-    if (q.shape[2] <= cpu_gemv.MAX_ROWS and q.shape[-1] in HEAD_SIZES
+    if (q.shape[2] <= cpu_ops.MAX_ROWS and q.shape[-1] in HEAD_SIZES
             and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in (q, k, v))
-            and not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))) and cpu_gemv.enabled()):
+            and not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))) and cpu_ops.enabled()):
         return torch.ops.dflow_rt.cache_attention(q, k, v, start, causal)
     return attention_torch(q, k, v, start, causal)
 

@@ -12,11 +12,25 @@ from typing import Any
 
 import torch
 
+from dflow_rt.kernels.sampling import accept
 from dflow_rt.kernels.selection import triton_kernel
-from dflow_rt.models.relay import RelayBuffer
-from dflow_rt.sampling import accept
 
 tl: Any = None  # triton.language, bound on the first launch (selection.triton_kernel)
+
+
+def record_relay(buffer: list[torch.Tensor], rows: torch.Tensor | None, features: torch.Tensor, block: torch.Tensor,
+                 verified: torch.Tensor, accepted: torch.Tensor) -> None:
+    """The relay write (`models.relay.RelayBuffer.write`; its tensors: features, accepted, bonus,
+    rejected, width): the verify features [b, k, F] of `rows` (None: all), their accepted count, the
+    bonus token and the first rejected draft."""
+    relay_features, relay_accepted, relay_bonus, relay_rejected, relay_width = buffer
+    k, a = block.shape[1], accepted[:, None]
+    idx = slice(None) if rows is None else rows
+    relay_features[idx, :k] = features.to(relay_features.dtype)  # the target may run in another dtype
+    relay_width[idx] = k
+    relay_accepted[idx] = accepted
+    relay_bonus[idx] = verified.gather(1, a)[:, 0]
+    relay_rejected[idx] = block.gather(1, (a + 1).clamp(max=k - 1))[:, 0]
 
 
 def commit_torch(block: torch.Tensor, verified: torch.Tensor, features: torch.Tensor | None, tokens: torch.Tensor,
@@ -37,8 +51,8 @@ def commit_torch(block: torch.Tensor, verified: torch.Tensor, features: torch.Te
     emitted = committed.gather(1, (torch.arange(k + 1, device=block.device) + skip).clamp(max=k))
     out[:, :k + 2].copy_(torch.cat([(a + 1 + fresh.long())[:, None], emitted], dim=1))
     if relay_features is not None:
-        relay = RelayBuffer(relay_features, relay_accepted, relay_bonus, relay_rejected, relay_width)
-        relay.write(None, features, block, verified, a)
+        record_relay([relay_features, relay_accepted, relay_bonus, relay_rejected, relay_width], None, features,
+                     block, verified, a)
     ctx_start.copy_(torch.where(active, start, ctx_start))
     start.add_((a + 1) * active.long())
     tokens.copy_(bonus[:, 0])

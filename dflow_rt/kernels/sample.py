@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
+from dflow_rt.kernels.sampling import sample_from_uniform
 from dflow_rt.kernels.selection import triton_kernel
-from dflow_rt.sampling import sample_from_uniform
 
 tl: Any = None  # triton.language, bound on the first launch (selection.triton_kernel)
 

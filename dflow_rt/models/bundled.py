@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from dflow_rt.errors import InputError
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
@@ -71,14 +73,13 @@ def load_models(target: str | None, drafter: str | None, device: str | None = No
     """(target, drafter or None, tokenizer) by name or directory: the one place commands load models.
 
     No `target` means the bundled one; `drafter` None or "none" means no drafter; `device` None
-    picks CUDA when there is one; `threads` as `dflow_rt.threads.set_threads`; `dtype` ("float32",
+    picks CUDA when there is one; `threads` as `set_threads`; `dtype` ("float32",
     "bfloat16") None means the device's default. Without `need_tokenizer`, a directory with no
     tokenizer (random benchmark models) gives None for it.
     """
     import torch
 
     from dflow_rt.models.checkpoint import load_drafter, load_target
-    from dflow_rt.threads import set_threads
     from dflow_rt.tokenizer import load_tokenizer
 
     device = pick_device(device)
@@ -88,3 +89,18 @@ def load_models(target: str | None, drafter: str | None, device: str | None = No
     spec = None if drafter in (None, "none") else drafter_dir(drafter, target)
     has_tokenizer = need_tokenizer or (path / "tokenizer.json").exists()
     return model, load_drafter(spec, model) if spec else None, load_tokenizer(path) if has_tokenizer else None
+
+
+SMALL_TARGET = 50_000_000  # parameters: below, decoding on CPU keeps to one thread
+
+
+def set_threads(threads: int | None, target) -> None:
+    """`threads`, or by default 1 for a small target on CPU: its ops are too small to gain from
+    splitting, and with a second thread every op waits for the slower core (decoding the bundled
+    model drops from ~60 to ~2 tokens/s when another job holds one of two cores)."""
+    if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
+        raise InputError(f"--threads must be an int of at least 1, got {threads!r}")
+    if threads:
+        torch.set_num_threads(threads)
+    elif target.lm_head.weight.device.type == "cpu" and sum(p.numel() for p in target.parameters()) < SMALL_TARGET:
+        torch.set_num_threads(1)

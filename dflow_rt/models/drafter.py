@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import nn
 
-from dflow_rt.models.cpu_gemv import Linear, linear
+from dflow_rt.kernels.cpu.ops import Linear, linear
 from dflow_rt.models.layers import CachedPass, DecoderLayer, KVCache, RMSNorm, Rotary
 from dflow_rt.models.relay import Relay, RelayBuffer, relay_keys, relay_mask, shift_to_slots
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -23,6 +22,7 @@ from pathlib import Path
 
 from dflow_rt.config import DTYPES
 from dflow_rt.errors import DflowError
+from dflow_rt.paths import cache_root
 
 MANIFEST = "fetched.json"  # written last: its presence means the directory is complete
 FORMAT = 3  # of what a fetch writes; a directory of an older format is fetched again (2: the mask token,
@@ -47,13 +47,6 @@ REGISTRY: dict[str, Source] = {
 
 class FetchError(DflowError):
     """A model could not be fetched: no network, a missing extra, an unwritable or full disk."""
-
-
-def cache_root() -> Path:
-    """`$DFLOW_RT_CACHE`, else `${XDG_CACHE_HOME:-~/.cache}/dflow-rt`: read at call time, so tests can move it."""
-    if os.environ.get("DFLOW_RT_CACHE"):
-        return Path(os.environ["DFLOW_RT_CACHE"]).expanduser()
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "dflow-rt"
 
 
 def model_dir(name: str) -> Path:

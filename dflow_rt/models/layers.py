@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflow_rt.models.cpu_gemv import Codes, Linear, eager_served, linear_parts, rms_norm
+from dflow_rt.kernels.attention import cache_mask
+from dflow_rt.kernels.cpu.ops import Codes, Linear, eager_served, linear_parts, rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -106,7 +107,7 @@ class Attention(nn.Module):
     """Projections of one attention layer; how keys are gathered is the caller's business."""
 
     parts = ("q_proj", "k_proj", "v_proj")  # projections of one input: one product once `merged` is set
-    merged: Codes | None = None  # their codes stacked (`dflow_rt.exact_codes.attach`)
+    merged: Codes | None = None  # their codes stacked (`dflow_rt.models.exact_codes.attach`)
 
     def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, eps: float,
                  qk_norm: bool, bias: bool):
@@ -140,8 +141,8 @@ class Attention(nn.Module):
     def rotate_and_write(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                          sin: torch.Tensor, cache: KVCache, layer: int, positions: torch.Tensor) -> torch.Tensor:
         """`query` and `key_value` over the projections q, k, v, and the keys' and values' write to every
-        row of `cache` at `positions`, as one C++ op (`cpu_eager.cpp`): about twenty small ops less a
-        layer, for eager passes (`cpu_gemv.eager_served`). Returns the rotated queries."""
+        row of `cache` at `positions`, as one C++ op (`kernels/cpu/eager.cpp`): about twenty small ops less a
+        layer, for eager passes (`cpu_ops.eager_served`). Returns the rotated queries."""
         q = q.unflatten(-1, (self.heads, self.head_dim))
         k, v = (t.unflatten(-1, (self.kv_heads, self.head_dim)) for t in (k, v))
         if self.q_norm is not None:
@@ -164,16 +165,6 @@ class Attention(nn.Module):
             ek, ev, emask = extra
             out = out + F.scaled_dot_product_attention(q, ek, ev, attn_mask=emask[:, None], enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).flatten(2))
-
-
-def cache_mask(positions: torch.Tensor, length: int, causal: bool) -> torch.Tensor:
-    """[b, n, length]: the cache positions that queries at `positions` [b, n] (each row's run on
-    from positions[:, 0]) see: up to their own (`causal`: prefill and verify), or every position
-    before the end of their block (the drafter's bidirectional block)."""
-    keys = torch.arange(length, device=positions.device)
-    if causal:
-        return keys <= positions[:, :, None]
-    return (keys < positions[:, :1, None] + positions.shape[1]).expand(-1, positions.shape[1], -1)
 
 
 @dataclass

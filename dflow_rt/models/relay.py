@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflow_rt.kernels.commit import record_relay
+
 
 class Relay(nn.Module):
     """Boundary correction MLP; its weights live under `relay.` in DFlow checkpoints."""
@@ -121,15 +123,9 @@ class RelayBuffer:
               accepted: torch.Tensor) -> None:
         """Record one verify pass of `rows` (None: all): features [b, k, F] and ids [b, k] of the k
         verified block positions (k <= B), accepted [b]. The one relay write: the reference round,
-        training and the batched round's `commit_torch` call it (the Triton commit kernel repeats
-        it in its launch and is tested against `commit_torch`)."""
-        k, a = block.shape[1], accepted[:, None]
-        idx = slice(None) if rows is None else rows
-        self.features[idx, :k] = features.to(self.features.dtype)  # the target may run in another dtype
-        self.width[idx] = k
-        self.accepted[idx] = accepted
-        self.bonus[idx] = verified.gather(1, a)[:, 0]
-        self.rejected[idx] = block.gather(1, (a + 1).clamp(max=k - 1))[:, 0]
+        training and the batched round's `commit_torch` run `kernels.commit.record_relay` (the Triton
+        commit kernel repeats it in its launch and is tested against `commit_torch`)."""
+        record_relay(self.tensors(), rows, features, block, verified, accepted)
 
     def clear(self, rows: torch.Tensor) -> None:
         """Nothing to relay for `rows` (a request that has just been prefilled)."""

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from dflow_rt.models.cpu_gemv import Linear
+from dflow_rt.kernels.cpu.ops import Linear
 from dflow_rt.models.layers import CachedPass, DecoderLayer, KVCache, RMSNorm, Rotary
 
 ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}

@@ -18,13 +18,13 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from dflow_rt.checks import check_sampling, prompt_tensor, stop_set
 from dflow_rt.errors import InputError
-from dflow_rt.requests import check_sampling, prompt_tensor, stop_set
 from dflow_rt.serve.metrics import Metrics
 from dflow_rt.serve.text import Detokenizer
 
 if TYPE_CHECKING:
-    from dflow_rt.runtime import Runtime
+    from dflow_rt.engine.runtime import Runtime
 
 FINISHED_BY_SERVER = ("error", "shutdown")
 

@@ -6,7 +6,7 @@ dequantised to float32) hold far less than 32 bits each: per block of 32 along a
 d * q + m with q in 0..15 (kind "u4", 0.75 bytes a weight with its two float32 scales) or d * q with
 q in -128..127 ("i8", 1.125 bytes). Weights kept as bfloat16 (the bundled drafters) hold 16 bits
 each: their float32's low half is zero ("b16", 2 bytes). `encode` finds such codes when a weight has
-them and keeps them only when the kernel's own decoder (`cpu_gemv.cpp`) gives back every float32 of
+them and keeps them only when the kernel's own decoder (`kernels/cpu/gemv.cpp`) gives back every float32 of
 the weight bit for bit; the kernel then streams the codes, rebuilds each value and sums exactly as it
 sums the float32 weight. Results, and so tokens, are identical; only the bytes read change. A weight without codes
 (a drafter trained in float32, say) stays float32. `DFLOW_RT_EXACT_CODES=0` turns this off.
@@ -19,18 +19,18 @@ import os
 import torch
 from torch import nn
 
-from dflow_rt.models import cpu_gemv
-from dflow_rt.models.cpu_gemv import Codes
+from dflow_rt.kernels.cpu import ops as cpu_ops
+from dflow_rt.kernels.cpu.ops import Codes
 
 BLOCK = 32  # values per block along a row (the GGUF formats' block)
-GROUP = cpu_gemv.CODE_GROUP  # rows stored together; a weight's rows must be a multiple
+GROUP = cpu_ops.CODE_GROUP  # rows stored together; a weight's rows must be a multiple
 LEVELS = {"u4": (0, 15), "i8": (-128, 127)}  # the range of q per kind
 PROBE_ROWS = 64  # a weight is first tried on its first rows: float32 noise fails there, cheaply
 
 
 def enabled() -> bool:
     """Whether Runtimes code their weights in this process (CPU product kernel built, not opted out)."""
-    return os.environ.get("DFLOW_RT_EXACT_CODES", "1") != "0" and cpu_gemv.enabled()
+    return os.environ.get("DFLOW_RT_EXACT_CODES", "1") != "0" and cpu_ops.enabled()
 
 
 def _scale_candidates(estimate: torch.Tensor) -> list[torch.Tensor]:
@@ -111,7 +111,7 @@ def encode(weight: torch.Tensor) -> Codes | None:
     """Exact codes of a float32 CPU weight [N, K] (N a multiple of GROUP, K of BLOCK), or None when it
     has none."""
     if (weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2 or weight.numel() == 0
-            or weight.shape[1] % BLOCK or weight.shape[0] % GROUP or not cpu_gemv.enabled()):
+            or weight.shape[1] % BLOCK or weight.shape[0] % GROUP or not cpu_ops.enabled()):
         return None
     w = weight.detach().contiguous()
     blocks = w.reshape(w.shape[0], -1, BLOCK)
@@ -123,7 +123,7 @@ def encode(weight: torch.Tensor) -> Codes | None:
 
 
 def attach(*models: nn.Module | None) -> dict[str, int] | None:
-    """Give every float32 product of `models` (`cpu_gemv.Linear` layers, a drafter's draft-vocabulary
+    """Give every float32 product of `models` (`cpu_ops.Linear` layers, a drafter's draft-vocabulary
     head) its exact codes where it has some, once per weight (a tied head is coded once), and drop
     codes a changed weight no longer matches. Returns bytes a step streams: {"coded": as coded,
     "float32": the same weights as float32, "plain": weights left float32}; None when codes are
@@ -134,7 +134,7 @@ def attach(*models: nn.Module | None) -> dict[str, int] | None:
     if not candidates or not enabled():
         for model in models:
             for module in model.modules() if model is not None else ():
-                if isinstance(module, cpu_gemv.Linear):
+                if isinstance(module, cpu_ops.Linear):
                     module.codes = None
                 if getattr(module, "parts", None):
                     module.merged = None
@@ -160,7 +160,7 @@ def attach(*models: nn.Module | None) -> dict[str, int] | None:
         if model is None:
             continue
         for module in model.modules():
-            if isinstance(module, cpu_gemv.Linear):
+            if isinstance(module, cpu_ops.Linear):
                 module.codes = coded(module.weight, module.codes)
         if getattr(model, "vocab_head", None) is not None:
             model.vocab_codes = coded(model.vocab_head, getattr(model, "vocab_codes", None))
@@ -190,7 +190,7 @@ def kinds(model: nn.Module | None) -> list[str]:
     """The kind of each product of `model` in module order ("float32" where uncoded)."""
     if model is None:
         return []
-    layers = [m for m in model.modules() if isinstance(m, cpu_gemv.Linear)]
+    layers = [m for m in model.modules() if isinstance(m, cpu_ops.Linear)]
     out = [m.codes.kind if m.codes is not None else "float32" for m in layers]
     if getattr(model, "vocab_head", None) is not None:
         codes = getattr(model, "vocab_codes", None)
@@ -210,7 +210,7 @@ def watch(*models: nn.Module | None) -> list[tuple[torch.Tensor, int]]:
     """(weight, version) of every coded weight of `models`: compiled rounds read the codes without
     looking at the weight, so a Runtime checks these before each step (`changed`)."""
     out = [(m.weight, m.codes.version) for model in models if model is not None for m in model.modules()
-           if isinstance(m, cpu_gemv.Linear) and m.codes is not None]
+           if isinstance(m, cpu_ops.Linear) and m.codes is not None]
     return out + [(m.vocab_head, m.vocab_codes.version) for m in models
                   if m is not None and getattr(m, "vocab_codes", None) is not None]
 

@@ -1,7 +1,7 @@
 """`dflow-rt train ...`: the training pipeline's commands (tokenizer, target, regen, label, features, dflash,
 dflow, draft-vocab).
 
-`add_train_parser(subparsers)` plugs them into the main CLI; `python -m dflow_rt.train.cli ...`
+`add_train_parser(subparsers)` plugs them into the main CLI; `python -m dflow_rt.commands.train ...`
 runs them standalone (also the form to launch under `torchrun`).
 """
 

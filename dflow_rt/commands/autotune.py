@@ -19,11 +19,10 @@ def cmd_autotune(args: argparse.Namespace) -> None:
 
     from dflow_rt.autotune.job import Measure, Tuner, default_axes
     from dflow_rt.data.prompts import suite_prompts
-    from dflow_rt.models.bundled import drafter_dir, pick_device, target_dir
+    from dflow_rt.engine.tuned import TunedConfig, device_name, entry_key, model_id, store
+    from dflow_rt.models.bundled import drafter_dir, pick_device, set_threads, target_dir
     from dflow_rt.models.checkpoint import default_dtype, load_drafter, load_target
-    from dflow_rt.threads import set_threads
     from dflow_rt.tokenizer import load_tokenizer
-    from dflow_rt.tuned import TunedConfig, device_name, entry_key, model_id, store
 
     device = torch.device(pick_device(args.device))
     settings = {k: getattr(args, k) if getattr(args, k) is not None else v

@@ -2,7 +2,7 @@
 
 The Runtime reports a numerical fault in a request's row, so a request that goes wrong raises
 `RequestError` here rather than decoding garbage; the batch-1 reference round
-(`dflow_rt.reference.generate`) is the tests' oracle, not the way to decode.
+(`dflow_rt.oracle.generate`) is the tests' oracle, not the way to decode.
 """
 
 from __future__ import annotations
@@ -10,14 +10,55 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 
+from dflow_rt.checks import check_fits, check_int, prompt_tensor
 from dflow_rt.config import RuntimeConfig
+from dflow_rt.engine.runtime import Runtime
 from dflow_rt.errors import RequestError
-from dflow_rt.reference import GenerateOutput, request_length
-from dflow_rt.requests import prompt_tensor
-from dflow_rt.runtime import Runtime
+from dflow_rt.models.drafter import Drafter
+from dflow_rt.models.target import Target
+
+
+@dataclass
+class GenerateOutput:
+    """One request's tokens and timings, from `dflow_rt.generate` (a Runtime) or the reference round."""
+
+    token_ids: list[int]
+    acceptance_lengths: list[int] = field(default_factory=list)
+    first_step_seconds: float = 0.0  # prefill (the reference); prefill and the first round (a Runtime)
+    decode_seconds: float = 0.0  # every later round
+    first_step_tokens: int = 1  # tokens the first step emitted
+    plain_steps: int = 0  # rounds without drafting (a Runtime's `ar_fallback`): a 1 each in acceptance_lengths
+    lookup_rounds: int = 0  # rounds that verified the text's own continuation (a Runtime's `lookup`)
+    lookup_tokens: int = 0  # what those emitted, within acceptance_lengths
+
+    @property
+    def tau(self) -> float:
+        """Mean acceptance length per round the drafter drafted, counting the bonus token (plain
+        steps and lookup rounds are taken out)."""
+        drafted = len(self.acceptance_lengths) - self.plain_steps - self.lookup_rounds
+        emitted = sum(self.acceptance_lengths) - self.plain_steps - self.lookup_tokens
+        return emitted / drafted if drafted > 0 else 1.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens after the first step per second of the later rounds."""
+        return (len(self.token_ids) - self.first_step_tokens) / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+
+def request_length(target: Target, drafter: Drafter | None, config: RuntimeConfig | None, prompt_len: int,
+                   max_new_tokens: int) -> tuple[int, int]:
+    """(block size B, positions one request needs: prompt + new tokens + one block), after checking
+    them against `config.max_len` (default: the target's max_position_embeddings)."""
+    max_new_tokens = check_int("max_new_tokens", max_new_tokens, 1)
+    B = 1 if drafter is None else check_int("block_size", (config and config.block_size) or drafter.block_size, 1)
+    limit = target.config.max_position_embeddings if config is None else config.max_len
+    check_fits(prompt_len, max_new_tokens, B, limit)
+    return B, prompt_len + max_new_tokens + B
+
 
 # Eager rounds start at once, which suits one call; verifying the whole block matches the reference round.
 ONE_REQUEST = RuntimeConfig(max_batch=1, mode="eager", verify_width=None)

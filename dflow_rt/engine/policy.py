@@ -10,7 +10,7 @@ expected tokens are the mean of min(t, j) over the recent rounds at widths >= j,
 widest width loses no information. Every round is lossless, so the choice moves the speed and
 nothing else.
 
-Lookup rounds (`dflow_rt.lookup`: drafts from the text's own past, where a row has them) are one
+Lookup rounds (`dflow_rt.engine.lookup`: drafts from the text's own past, where a row has them) are one
 more choice with a rate of its own: a row with such drafts gets a lookup round while lookup rounds'
 measured rate is at least the rate of the width the fallback would run, and every LOOKUP_RETRY-th
 chance anyway (their rate moves with the text too). On SmolLM2's HumanEval prompts they emitted
@@ -213,7 +213,7 @@ class TimingsFile:
 
     @staticmethod
     def directory() -> Path:
-        from dflow_rt.models.fetch import cache_root
+        from dflow_rt.paths import cache_root
 
         return cache_root() / "timings"
 

@@ -1,4 +1,4 @@
-"""Products of a few rows on CPU (`cpu_gemv.cpp`): what every decode and verify pass is made of.
+"""Products of a few rows on CPU (`kernels/cpu/gemv.cpp`): what every decode and verify pass is made of.
 
 A batch-1 step multiplies one row by every weight matrix, so it is a read of the weights; torch's
 GEMM library streams them at about half the machine's read bandwidth at 1 row and slower at 2-4
@@ -25,17 +25,17 @@ import torch.nn.functional as F
 from torch import nn
 
 log = logging.getLogger("dflow_rt")
-SOURCE = Path(__file__).with_name("cpu_gemv.cpp")
+SOURCE = Path(__file__).with_name("gemv.cpp")
 # one library: the products, the cache attention (`dflow_rt.kernels.attention`), the eager passes' small
 # ops and their vector header
-SOURCES = (SOURCE, SOURCE.with_name("cpu_attention.cpp"), SOURCE.with_name("cpu_eager.cpp"))
-HEADER = SOURCE.with_name("cpu_vec.h")
+SOURCES = (SOURCE, SOURCE.with_name("attention.cpp"), SOURCE.with_name("eager.cpp"))
+HEADER = SOURCE.with_name("vec.h")
 KEEP_BUILDS = 3  # kernel builds kept under the cache directory, this one included
 MAX_ROWS = 16  # a decode or verify pass (a batch of 4 at verify width 4); prefill stays with the library
 FLAGS = ("-O3", "-ffp-contract=off")  # no multiply-add fused behind our back: exact codes rebuild weights exactly
 ISAS = ("AVX512", "AVX2")  # torch's names for the instruction sets the kernel has a tile for
 CODE_KINDS = ("u4", "i8", "b16")
-CODE_GROUP = 4  # rows of a weight stored together in its codes (`kGroup` in cpu_gemv.cpp)
+CODE_GROUP = 4  # rows of a weight stored together in its codes (`kGroup` in kernels/cpu/gemv.cpp)
 _ready: bool | None = None  # None: not tried yet in this process
 
 
@@ -53,13 +53,13 @@ def _load() -> bool:
     isa = torch.backends.cpu.get_cpu_capability()
     if os.environ.get("DFLOW_RT_CPU_GEMV", "1") == "0" or isa not in ISAS:
         return False
-    from dflow_rt.models.fetch import cache_root
+    from dflow_rt.paths import cache_root
 
     # the flags and the ISA are in the key: a cache shared by two machines keeps a build each
     source = b"".join(f.read_bytes() for f in (*SOURCES, HEADER)) + " ".join(FLAGS).encode()
     digest = hashlib.sha256(source + torch.__version__.encode() + isa.encode()).hexdigest()[:16]
     out = cache_root() / "kernels" / f"cpu_gemv_{digest}"
-    library = out / "cpu_gemv.so"
+    library = out / "cpu_ops.so"
     try:
         if not library.exists():
             log.warning("building the CPU product kernel (once, tens of seconds): %s", out)
@@ -96,7 +96,7 @@ def _prune(current: Path, keep: int = KEEP_BUILDS) -> None:
 
 _library = torch.library.Library("dflow_rt", "DEF")  # the schemas; SOURCES register the CPU implementations
 _library.define("gemv(Tensor x, Tensor w) -> Tensor")
-for _kind in CODE_KINDS:  # products over, and values of, weights in exact codes (`dflow_rt.exact_codes`)
+for _kind in CODE_KINDS:  # products over, and values of, weights in exact codes (`dflow_rt.models.exact_codes`)
     _library.define(f"gemv_{_kind}(Tensor x, Tensor codes) -> Tensor")
     _library.define(f"decode_{_kind}(Tensor codes) -> Tensor")
     torch.library.register_fake(f"dflow_rt::gemv_{_kind}",
@@ -110,7 +110,7 @@ _library.define("cache_attention(Tensor q, Tensor k, Tensor v, Tensor start, boo
                 tags=(torch.Tag.flexible_layout,))
 
 
-# the eager passes' small ops (`cpu_eager.cpp`): never traced, so no shape functions
+# the eager passes' small ops (`kernels/cpu/eager.cpp`): never traced, so no shape functions
 _library.define("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor")
 _library.define("rope_write(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
                 "Tensor(b!) v_cache, Tensor positions) -> Tensor")
@@ -128,9 +128,9 @@ def _(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 class Codes(NamedTuple):
-    """A weight in exact codes (`dflow_rt.exact_codes`): the products rebuild its float32 values."""
+    """A weight in exact codes (`dflow_rt.models.exact_codes`): the products rebuild its float32 values."""
     kind: str  # one of CODE_KINDS
-    codes: torch.Tensor  # uint8 [N / CODE_GROUP, bytes]: each block's scales and codes (cpu_gemv.cpp)
+    codes: torch.Tensor  # uint8 [N / CODE_GROUP, bytes]: each block's scales and codes (kernels/cpu/gemv.cpp)
     version: int  # the weight's `_version` when it was coded: a weight changed since is no longer served
 
 
@@ -177,7 +177,7 @@ def linear_parts(x: torch.Tensor, layers: Sequence[Linear], merged: Codes | None
 
 
 def eager_served(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the C++ small ops (`cpu_eager.cpp`) serve a pass over `x` whose products the kernel serves:
+    """Whether the C++ small ops (`kernels/cpu/eager.cpp`) serve a pass over `x` whose products the kernel serves:
     eager passes only, as a compiled pass fuses torch's small ops into its neighbours."""
     return not torch.compiler.is_compiling() and _served(x, weight) > 0
 

@@ -30,7 +30,7 @@ def runtime_config(args: argparse.Namespace, tuned, block: int, **sizes):
     (`tuned`, already looked up with the dtype in mind), then the Runtime's per-device defaults
     (`tuned.resolve`)."""
     from dflow_rt.config import AUTO, RuntimeConfig
-    from dflow_rt.tuned import apply
+    from dflow_rt.engine.tuned import apply
 
     config = RuntimeConfig(**sizes, block_size=args.block_size, mode=args.mode or AUTO,
                            verify_width=AUTO if args.verify_width is None else args.verify_width, tuned=False,
@@ -43,8 +43,8 @@ def tuned_knobs(args: argparse.Namespace):
     """What `dflow-rt autotune` chose for --target/--drafter on this device (dtype and threads included,
     which apply before the models load), or None (--no-tuned, or no entry); one line on stderr when
     it applies (it changes the speed), and when --tuned asked for knobs that are not there."""
+    from dflow_rt.engine.tuned import load_tuned, tuned_dir
     from dflow_rt.models.bundled import drafter_dir, pick_device, target_dir
-    from dflow_rt.tuned import load_tuned, tuned_dir
 
     if getattr(args, "no_tuned", False):
         return None

@@ -17,7 +17,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 
-#include "cpu_vec.h"
+#include "vec.h"
 
 namespace {
 
@@ -173,5 +173,5 @@ at::Tensor cache_attention(const at::Tensor& q, const at::Tensor& k, const at::T
 
 }  // namespace
 
-// The schema is defined on the Python side (dflow_rt/models/cpu_gemv.py), with its shape function.
+// The schema is defined on the Python side (dflow_rt/kernels/cpu/ops.py), with its shape function.
 TORCH_LIBRARY_IMPL(dflow_rt, CPU, m) { m.impl("cache_attention", &cache_attention); }

@@ -13,7 +13,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 
-#include "cpu_vec.h"
+#include "vec.h"
 
 namespace {
 
@@ -87,7 +87,7 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w) {
   return y;
 }
 
-// Weights kept exactly in fewer bytes (dflow_rt/exact_codes.py). Per block of 32 along a row of
+// Weights kept exactly in fewer bytes (dflow_rt/models/exact_codes.py). Per block of 32 along a row of
 // w, each weight is d * q + m (U4: q in 0..15, a nibble; scales d, m), d * q (I8: q in -128..127;
 // scale d) or a bfloat16 (B16: the float32's high half, its low half being zero; no scale), rebuilt
 // here as the very float32 it stands for (a multiply, then an add: the library is built with
@@ -244,7 +244,7 @@ at::Tensor decode(const at::Tensor& codes) {
 
 }  // namespace
 
-// The schema is defined on the Python side (dflow_rt/models/cpu_gemv.py), with its shape function.
+// The schema is defined on the Python side (dflow_rt/kernels/cpu/ops.py), with its shape function.
 TORCH_LIBRARY_IMPL(dflow_rt, CPU, m) {
   m.impl("gemv", &gemv);
   m.impl("gemv_u4", &coded_gemv<U4>);

@@ -12,9 +12,9 @@ import signal
 import sys
 from pathlib import Path
 
+from dflow_rt.commands.common import add_tuned_args, load_models_from, model_args, runtime_config, tuned_knobs
 from dflow_rt.config import DTYPES, MODES
 from dflow_rt.errors import DflowError
-from dflow_rt.launch import add_tuned_args, load_models_from, model_args, runtime_config, tuned_knobs
 
 DEFAULT_MAX_LEN = 2048  # the KV cache is max_batch x max_len, preallocated: the model's own limit if smaller
 
@@ -55,7 +55,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
 def build_engine(args: argparse.Namespace):
     """(engine, model name): the models, Runtime and engine that `args` describe (generate's rules
     for target, drafter, tuned knobs, mode, threads and dtype)."""
-    from dflow_rt.runtime import Runtime
+    from dflow_rt.engine.runtime import Runtime
     from dflow_rt.serve.engine import Engine
     from dflow_rt.tokenizer import stop_token_ids
 

@@ -12,7 +12,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 
-#include "cpu_vec.h"
+#include "vec.h"
 
 namespace {
 
@@ -101,7 +101,7 @@ at::Tensor rope_write(const at::Tensor& q, const at::Tensor& k, const at::Tensor
 
 }  // namespace
 
-// The schema is defined on the Python side (dflow_rt/models/cpu_gemv.py).
+// The schema is defined on the Python side (dflow_rt/kernels/cpu/ops.py).
 TORCH_LIBRARY_IMPL(dflow_rt, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("rope_write", &rope_write);

@@ -15,10 +15,10 @@ from dataclasses import fields
 
 import torch
 
+from dflow_rt.checks import check_int
 from dflow_rt.config import AUTO, MODES, RuntimeConfig
 from dflow_rt.errors import InputError
 from dflow_rt.models.layers import Rotary, reserve_positions
-from dflow_rt.requests import check_int
 
 MAX_ROWS = 1 << 16
 MAX_LEN = 1 << 24

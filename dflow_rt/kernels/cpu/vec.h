@@ -1,4 +1,4 @@
-// The vector type and the few operations the CPU kernels (cpu_gemv.cpp, cpu_attention.cpp) are
+// The vector type and the few operations the CPU kernels (gemv.cpp, attention.cpp) are
 // written in, per instruction set: AVX-512, or AVX2 with FMA.
 #pragma once
 #include <immintrin.h>

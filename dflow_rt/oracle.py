@@ -1,7 +1,7 @@
 """The reference round, batch 1, greedy: prefill -> (draft -> verify -> accept -> carry)*.
 
 Plain eager torch with the semantics the Runtime must reproduce token for token in every mode:
-the oracle of the tests (`dflow_rt.reference.generate`); callers decode with `dflow_rt.generate`.
+the oracle of the tests (`dflow_rt.oracle.generate`); callers decode with `dflow_rt.generate`.
 The target's KV cache and the drafter's context cache are static and addressed by absolute
 position, so rolling back a rejected suffix is only moving `start`.
 """
@@ -10,17 +10,18 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
+from dflow_rt.checks import check_int, cut_at_stop, prompt_tensor, stop_set
 from dflow_rt.config import AUTO, RuntimeConfig
+from dflow_rt.engine.generation import GenerateOutput, request_length
 from dflow_rt.errors import InputError
+from dflow_rt.kernels.sampling import accept, excluded_token, screen
 from dflow_rt.models.drafter import Drafter, relay_off
 from dflow_rt.models.layers import reserve_positions
 from dflow_rt.models.target import Target
-from dflow_rt.requests import check_fits, check_int, cut_at_stop, prompt_tensor, stop_set
-from dflow_rt.sampling import accept, excluded_token, screen
 
 
 @dataclass
@@ -31,44 +32,6 @@ class RoundTrace:
     verified: list[int]
     accepted: int
     drafts_without_relay: list[int] | None
-
-
-@dataclass
-class GenerateOutput:
-    """One request's tokens and timings, from `dflow_rt.generate` (a Runtime) or the reference round."""
-
-    token_ids: list[int]
-    acceptance_lengths: list[int] = field(default_factory=list)
-    first_step_seconds: float = 0.0  # prefill (the reference); prefill and the first round (a Runtime)
-    decode_seconds: float = 0.0  # every later round
-    first_step_tokens: int = 1  # tokens the first step emitted
-    plain_steps: int = 0  # rounds without drafting (a Runtime's `ar_fallback`): a 1 each in acceptance_lengths
-    lookup_rounds: int = 0  # rounds that verified the text's own continuation (a Runtime's `lookup`)
-    lookup_tokens: int = 0  # what those emitted, within acceptance_lengths
-
-    @property
-    def tau(self) -> float:
-        """Mean acceptance length per round the drafter drafted, counting the bonus token (plain
-        steps and lookup rounds are taken out)."""
-        drafted = len(self.acceptance_lengths) - self.plain_steps - self.lookup_rounds
-        emitted = sum(self.acceptance_lengths) - self.plain_steps - self.lookup_tokens
-        return emitted / drafted if drafted > 0 else 1.0
-
-    @property
-    def decode_tokens_per_s(self) -> float:
-        """Tokens after the first step per second of the later rounds."""
-        return (len(self.token_ids) - self.first_step_tokens) / self.decode_seconds if self.decode_seconds > 0 else 0.0
-
-
-def request_length(target: Target, drafter: Drafter | None, config: RuntimeConfig | None, prompt_len: int,
-                   max_new_tokens: int) -> tuple[int, int]:
-    """(block size B, positions one request needs: prompt + new tokens + one block), after checking
-    them against `config.max_len` (default: the target's max_position_embeddings)."""
-    max_new_tokens = check_int("max_new_tokens", max_new_tokens, 1)
-    B = 1 if drafter is None else check_int("block_size", (config and config.block_size) or drafter.block_size, 1)
-    limit = target.config.max_position_embeddings if config is None else config.max_len
-    check_fits(prompt_len, max_new_tokens, B, limit)
-    return B, prompt_len + max_new_tokens + B
 
 
 def _verify_width(config: RuntimeConfig, block_size: int) -> int:

@@ -6,9 +6,9 @@ import argparse
 import json
 import sys
 
+from dflow_rt.commands.common import add_tuned_args, load_models_from, model_args, runtime_config, tuned_knobs
 from dflow_rt.config import DTYPES, MODES
 from dflow_rt.errors import DflowError
-from dflow_rt.launch import add_tuned_args, load_models_from, model_args, runtime_config, tuned_knobs
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
@@ -16,9 +16,9 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
     import torch
 
-    from dflow_rt.generation import run_one
-    from dflow_rt.requests import check_fits
-    from dflow_rt.runtime import Runtime
+    from dflow_rt.checks import check_fits
+    from dflow_rt.engine.generation import run_one
+    from dflow_rt.engine.runtime import Runtime
     from dflow_rt.tokenizer import stop_token_ids
 
     if args.drafter is None and args.target is None:
@@ -253,12 +253,12 @@ def parser() -> argparse.ArgumentParser:
     from dflow_rt.bench.serve import add_serve_bench_args
 
     add_serve_bench_args(b)
-    from dflow_rt.autotune.cli import add_autotune_parser
     from dflow_rt.bench.soak import add_soak_parser
+    from dflow_rt.commands.autotune import add_autotune_parser
+    from dflow_rt.commands.serve import add_serve_parser
+    from dflow_rt.commands.train import add_train_parser
     from dflow_rt.graphs.compile_cache import add_parser as add_compile_cache_parser
     from dflow_rt.models.fetch import add_fetch_parser
-    from dflow_rt.serve.cli import add_serve_parser
-    from dflow_rt.train.cli import add_train_parser
 
     add_autotune_parser(sub)
     add_compile_cache_parser(sub)
@@ -278,6 +278,3 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

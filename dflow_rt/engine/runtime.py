@@ -23,19 +23,19 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dflow_rt import exact_codes, huge_pages
+from dflow_rt.checks import check_fits, check_int, check_sampling, cut_at_stop, prompt_tensor, stop_set
 from dflow_rt.config import RuntimeConfig
+from dflow_rt.engine.limits import check_config, check_memory, rotary_growth
+from dflow_rt.engine.lookup import NgramIndex
+from dflow_rt.engine.policy import UNTIMED, ArFallback, TimingsFile
+from dflow_rt.engine.tuned import resolve
 from dflow_rt.errors import BusyError, InputError, RequestError
-from dflow_rt.fallback import UNTIMED, ArFallback, TimingsFile
 from dflow_rt.graphs import compile_cache
 from dflow_rt.graphs.plan import RoundPlan
 from dflow_rt.graphs.runner import build_rounds, guard_failure
 from dflow_rt.graphs.state import DecodeState
-from dflow_rt.limits import check_config, check_memory, rotary_growth
-from dflow_rt.lookup import NgramIndex
-from dflow_rt.requests import check_fits, check_int, check_sampling, cut_at_stop, prompt_tensor, stop_set
-from dflow_rt.sampling import sample, screen
-from dflow_rt.tuned import resolve
+from dflow_rt.kernels.sampling import sample, screen
+from dflow_rt.models import exact_codes, huge_pages
 
 log = logging.getLogger("dflow_rt")
 FAULT = "its logits became NaN or infinite (a numerical fault in its row, which was cleaned; other requests go on)"
@@ -133,7 +133,7 @@ class Runtime:
                     stop_token_ids: Sequence[int] = (), seed: int | None = None) -> int:
         """Queue a request; it joins the batch at the next `step()` with a free row.
 
-        Every field is checked here (`dflow_rt.requests`): a bad one raises `InputError` now, and
+        Every field is checked here (`dflow_rt.checks`): a bad one raises `InputError` now, and
         nothing a queued request carries can make a later `step()` fail."""
         vocab = self.target.config.vocab_size
         prompt = prompt_tensor(prompt_ids, vocab, self.state.tokens.device)[0]

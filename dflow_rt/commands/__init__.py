@@ -1,0 +1,1 @@
+"""The `dflow-rt` commands: argument parsing and wiring, nothing the library needs."""

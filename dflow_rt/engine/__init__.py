@@ -1,0 +1,1 @@
+"""The engine: the Runtime and what decides, checks and samples around its rounds."""
