@@ -6,7 +6,7 @@ among its first w - 1, and costs `cost[w]` plain steps (width 1 is the target st
 case's rounds fall into equal stretches of text, one p each; in the "requests" cases each stretch is
 a new request, which the policy hears of through `admitted` where it has that method, as from the
 Runtime. Every round's time has lognormal jitter and a few rounds take twice as long, as on a shared
-CPU. The policy (`dflow_rt.engine.policy.ArFallback`, or any file defining one, given with --baseline for
+CPU. The policy (`dflow_rt.engine.policy.RoundPolicy`, or any file defining one, given with --baseline for
 a side-by-side) sees only those timings and token counts, as in the Runtime.
 Figures are simulated tokens/s, means over seeds; "best" is the best fixed width.
 
@@ -21,7 +21,7 @@ import random
 import statistics
 import sys
 
-from dflow_rt.engine.policy import ArFallback
+from dflow_rt.engine.policy import RoundPolicy
 
 PLAIN_S = 0.025  # a plain step's time; only ratios matter
 K2 = {1: 1.0, 2: 1.24}  # round cost in plain steps per width: compiled SmolLM2 rounds on a 2-core AVX2 CPU
@@ -77,7 +77,7 @@ def load_baseline(path: str):
     spec = importlib.util.spec_from_file_location("baseline_fallback", path)
     module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # dataclasses look their module up
     spec.loader.exec_module(module)
-    return module.ArFallback
+    return module.RoundPolicy
 
 
 def main() -> None:
@@ -86,7 +86,7 @@ def main() -> None:
     p.add_argument("--seeds", type=int, default=6)
     p.add_argument("--rounds", type=int, default=4000)
     args = p.parse_args()
-    policies = {"policy": ArFallback, **({"baseline": load_baseline(args.baseline)} if args.baseline else {})}
+    policies = {"policy": RoundPolicy, **({"baseline": load_baseline(args.baseline)} if args.baseline else {})}
     print("| case | fixed widths | " + " | ".join(policies) + " | policy / best |")
     print("|---|---|" + "---|" * len(policies) + "---|")
     for name, cost, accept, requests in [(*c, False) for c in CASES] + [(*c, True) for c in REQUEST_CASES]:

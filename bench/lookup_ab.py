@@ -36,7 +36,7 @@ def run(rt: Runtime, prompt: list[int], max_new: int) -> tuple[list[tuple[str, f
     rt.step()  # prefill and the first round
     rounds = []
     while not rt.is_finished(rid):
-        req, width = rt.requests[rid], rt.fallback.width(1) if rt.fallback else 1
+        req, width = rt.requests[rid], rt.policy.width(1) if rt.policy else 1
         before = req.lookup_rounds
         t = time.perf_counter()
         tokens = len(rt.step().get(rid, ()))

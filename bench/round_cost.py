@@ -34,7 +34,7 @@ from dflow_rt.models.bundled import load_models, pick_device
 from dflow_rt.models.drafter import Drafter, DrafterConfig, build_target_layer_ids
 from dflow_rt.models.target import Target, TargetConfig
 
-# batch 1, fallback off, greedy rounds only: also the Runtimes of step_profile.py and huge_pages.py, which
+# batch 1, fallback off, greedy rounds only: also the Runtimes of step_profile.py and lookup_ab.py, which
 # then load the compiled rounds this script compiled
 SIZES = dict(max_batch=1, max_len=512, batch_buckets=(1,), tuned=False, ar_fallback=False, sampling=False)
 BUCKETS = tuple(range(128, 512, 64))  # the default length buckets of a plan whose length is a symbol

@@ -65,7 +65,7 @@ class RuntimeConfig:
     FlashInfer attention, whose host-side plan is made per verify width.
     lookup: with ar_fallback, where a row's last 3 tokens occurred before in its prompt or output, a
     round may verify what followed them then (`dflow_rt.engine.lookup`): no draft pass, a round at k, run
-    while such rounds decode faster than the width the fallback chose (`ArFallback.lookup`); one
+    while such rounds decode faster than the width the fallback chose (`RoundPolicy.lookup`); one
     graph more per batch bucket and round variant (greedy, sampled).
     keep_timings: with ar_fallback, what the fallback learned (round times and tokens per width, lookup
     rounds' rate) is kept on disk per machine, models and settings (`dflow_rt.engine.policy.TimingsFile`),
@@ -73,6 +73,10 @@ class RuntimeConfig:
     answering one short request otherwise spends most of its rounds learning. False: start afresh.
     compile_cache: `compile` and `cudagraph` rounds are kept on disk (`dflow_rt.graphs.compile_cache`)
     and a later Runtime of the same shapes starts from them in seconds; False compiles afresh.
+    eager_start: where the disk cache holds no compiled rounds for this Runtime yet, start at once on
+    eager rounds (as lossless, slower) instead of compiling for minutes, and switch to the compiled
+    rounds between requests once they are on disk (`Runtime.compile_rounds`; the commands build
+    them in a background process). Default False: a library caller gets compiled rounds or waits.
     sampling: False builds only the rounds in which no request samples (greedy), half the graphs
     a compiled Runtime compiles on its first start; `add_request` then refuses a temperature above 0.
     memory_limit: construction refuses a state (KV caches, relay buffer, rotary tables) larger
@@ -93,6 +97,7 @@ class RuntimeConfig:
     memory_limit: int | None = None  # bytes the preallocated state may take; None = the device's free memory
     kernels: str | dict[str, str] = "auto"
     compile_cache: bool = True
+    eager_start: bool = False
     keep_timings: bool = True
     freeze: bool = False
     ar_fallback: bool | str = AUTO

@@ -18,10 +18,30 @@ if not torch.cuda.is_available():
 # Tiny models are dispatch-bound: one thread avoids oversubscribing the two CI cores.
 torch.set_num_threads(1)
 
+# Files whose kernels run in Triton's interpreter: a real inductor compile earlier in the same process
+# breaks the interpreter, so these run first on their worker, whatever their names.
+INTERPRETER_FIRST = ("test_kernels.py", "test_kernels_top_p.py")
+
+
+def pytest_collection_modifyitems(items):
+    items.sort(key=lambda item: item.path.name not in INTERPRETER_FIRST)  # stable: file order kept otherwise
+
+
 FIXTURES = Path(__file__).parent / "fixtures" / "dflash_reference"
 # The same reference outputs for a drafter conditioned on the target's LAST layer (post-norm feature).
 FIXTURES_LAST_LAYER = Path(__file__).parent / "fixtures" / "dflash_reference_last_layer"
 REFERENCE_FIXTURES = (FIXTURES, FIXTURES_LAST_LAYER)
+
+
+@pytest.fixture(autouse=True)
+def no_background_builds(monkeypatch):
+    """A command started on an empty compile cache builds its compiled rounds in a detached process
+    (`commands.common.build_in_background`): never from a test, where it would outlive the test."""
+    import dflow_rt.commands.main
+    import dflow_rt.commands.serve
+
+    for module in (dflow_rt.commands.main, dflow_rt.commands.serve):
+        monkeypatch.setattr(module, "build_in_background", lambda argv, meanwhile: None)
 
 
 @pytest.fixture(autouse=True)

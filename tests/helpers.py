@@ -109,20 +109,26 @@ def poison(rt, row: int, beyond: int) -> None:
 def build_avx2(tmp_path, source, namespace: str):
     """`source` (a C++ kernel of `dflow_rt/models`) built for AVX2 as a library of its own, its ops
     defined under `namespace` rather than registered for dflow_rt's CPU dispatch: the other
-    instruction set's code, run on an AVX-512 machine. Returns `torch.ops.<namespace>`."""
+    instruction set's code, run on an AVX-512 machine. Built by the kernels' own build (`cpu_ops.build`).
+    Returns `torch.ops.<namespace>`."""
     import shutil
-
-    from torch._inductor.cpp_builder import CppBuilder, CppTorchOptions
-    from torch._inductor.cpu_vec_isa import VecAVX2
 
     from dflow_rt.kernels.cpu import ops as cpu_ops
 
     shutil.copy(cpu_ops.HEADER, tmp_path / cpu_ops.HEADER.name)  # what `#include "vec.h"` finds
     src = source.read_text().replace("TORCH_LIBRARY_IMPL(dflow_rt, CPU, m)", f"TORCH_LIBRARY({namespace}, m)")
     (tmp_path / f"{namespace}.cpp").write_text(src.replace("m.impl(", "m.def("))
-    options = CppTorchOptions(vec_isa=VecAVX2(), include_pytorch=True, shared=True, extra_flags=cpu_ops.FLAGS)
-    builder = CppBuilder(name=namespace, sources=[str(tmp_path / f"{namespace}.cpp")], BuildOption=options,
-                         output_dir=str(tmp_path))
-    builder.build()
-    torch.ops.load_library(builder.get_target_file_path())
+    torch.ops.load_library(str(cpu_ops.build(namespace, [tmp_path / f"{namespace}.cpp"], tmp_path, isa="AVX2")))
     return getattr(torch.ops, namespace)
+
+
+def scheduled_runtime(target, drafter, schedule, **settings) -> dflow_rt.Runtime:
+    """A Runtime whose round policy picks the width that follows `schedule(round, widths)` instead of timings
+    (`widths`: the bucket's, ascending: 1, half the block rounded up, the block); width 1 a plain step
+    unless `lookup=True` is among `settings` (`tests/test_lookup.py`)."""
+    config = dflow_rt.RuntimeConfig(max_batch=2, max_len=160, mode="eager", verify_width=None, ar_fallback=True,
+                                    **{"lookup": False, **settings})
+    rt = dflow_rt.Runtime(target, drafter, config)
+    rounds = iter(range(10**6))
+    rt.policy.width = lambda rows: schedule(next(rounds), rt.plan.round_widths(rows))
+    return rt

@@ -11,7 +11,9 @@ import pytest
 from dflow_rt.autotune.job import Axis, Measure, Tuner
 from dflow_rt.config import RuntimeConfig
 from dflow_rt.engine import tuned as configs
-from dflow_rt.engine.tuned import TunedConfig, apply, entry_key, load_tuned, resolve, store, tuned_for
+from dflow_rt.engine.settings import apply_tuned as apply
+from dflow_rt.engine.settings import resolve_config as resolve
+from dflow_rt.engine.tuned import TunedConfig, entry_key, load_tuned, store
 from tests.conftest import FIXTURES
 
 TARGET, DRAFTER = FIXTURES / "target", FIXTURES / "drafter"
@@ -108,7 +110,7 @@ def test_keys_differ_by_device_name(tmp_path, monkeypatch, reference_pair):
         monkeypatch.setattr(configs, "device_name", lambda device="cpu", name=name: name)
         assert load_tuned(TARGET, DRAFTER).mode == mode
         # the Runtime's hook: the loaded models' directories, device and dtype pick the entry
-        config = tuned_for(RuntimeConfig(max_batch=2, max_len=128), *reference_pair)
+        config = resolve(RuntimeConfig(max_batch=2, max_len=128), *reference_pair)
         assert config.mode == mode and config.verify_width == {1: 4, 2: 4}
     monkeypatch.setattr(configs, "device_name", lambda device="cpu": "NVIDIA H200")
     assert load_tuned(TARGET, DRAFTER) is None

@@ -7,8 +7,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import dflow_rt
+import dflow_rt.oracle
 from dflow_rt.kernels.cpu import ops as cpu_ops
 from dflow_rt.models import exact_codes
+from dflow_rt.models.checkpoint import load_target, save_model
 from tests.helpers import build_avx2, hf_greedy, ours_from_hf, tiny_drafter, tiny_hf_target
 
 pytestmark = pytest.mark.skipif(not cpu_ops.enabled(), reason="needs an AVX-512 or AVX2 CPU and a compiler")
@@ -144,9 +146,13 @@ def test_compiled_rounds_stream_the_codes_and_decode_the_same_tokens(monkeypatch
     ops = {e.key for e in prof.key_averages()}
     assert {"dflow_rt::gemv_u4", "dflow_rt::gemv_i8"} <= ops
     assert got == hf_greedy(hf, prompt, 16, suppress=drafter.config.mask_token_id)
+    weight = target.model.layers[1].mlp.down_proj.weight
+    with torch.no_grad(), pytest.raises(RuntimeError, match="single memory location"):
+        weight.mul_(2)  # held as its codes: no float32 to write in place
+    exact_codes.restore(target)  # float32 again, to change
     with torch.no_grad():  # a weight changed in place: the compiled rounds would read stale codes, so no step runs
-        target.model.layers[1].mlp.down_proj.weight.mul_(2)
-    with pytest.raises(dflow_rt.InputError, match="changed after this Runtime was built"):
+        weight.mul_(2)
+    with pytest.raises(dflow_rt.InputError, match="after this Runtime was built"):
         rt.generate([prompt], max_new_tokens=4)
 
 
@@ -169,18 +175,79 @@ def test_projections_of_one_input_run_as_one_stacked_product():
     """q/k/v (and gate/up) codes stacked: one product, bit-identical to three; each part's codes a
     view of the stack; a stale part sends all back to their own products."""
     _, target, _ = coded_pair(tied=True)
-    assert exact_codes.attach(target) is not None
     attn = target.model.layers[0].self_attn
     parts = (attn.q_proj, attn.k_proj, attn.v_proj)
+    weights = [p.weight.detach().clone() for p in parts]  # the float32 the codes stand for
+    assert exact_codes.attach(target) is not None
     assert attn.merged is not None and target.model.layers[0].mlp.merged is not None
     stacked = attn.merged.codes
     assert all(p.codes.codes.data_ptr() >= stacked.data_ptr() for p in parts)
     assert sum(p.codes.codes.numel() for p in parts) == stacked.numel()
     x = torch.randn(3, attn.q_proj.in_features)
     with torch.no_grad():
-        want = [torch.ops.dflow_rt.gemv(x, p.weight) for p in parts]
+        want = [torch.ops.dflow_rt.gemv(x, w) for w in weights]
         got = cpu_ops.linear_parts(x, parts, attn.merged)
         assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
-        attn.k_proj.weight.add_(1.0)  # stale: every part through its own path, k through float32
+        attn.k_proj.weight.data = weights[1] + 1.0  # stale: every part through its own path, k through float32
         got = cpu_ops.linear_parts(x, parts, attn.merged)
         assert torch.equal(got[1], torch.ops.dflow_rt.gemv(x, attn.k_proj.weight)) and torch.equal(got[0], want[0])
+
+
+def float32_bytes(*models) -> int:
+    """Bytes of float32 storage the models' parameters keep (each storage once)."""
+    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for m in models
+                for p in m.parameters() if p.dtype == torch.float32}
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_coded_model_holds_its_codes_and_no_float32_copy(monkeypatch, tmp_path, tied):
+    """After a Runtime, every coded weight keeps its codes and not its float32 (only the uncoded
+    weights, norms and biases, stay float32); the tokens are the oracle's, in eager and compiled rounds;
+    the state dict, a saved checkpoint and `restore` give back the very float32 values."""
+    monkeypatch.setenv("DFLOW_RT_EXACT_CODES", "1")
+    hf, target, drafter = coded_pair(tied)
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    drafted = {k: v.clone() for k, v in drafter.state_dict().items()}
+    prompt = [3, 9, 4, 17, 2, 11, 5, 8, 1, 6, 13, 7, 10, 12, 14, 15, 16, 18, 19, 20]  # prefill: over MAX_ROWS
+    want = dflow_rt.oracle.generate(target, drafter, prompt, 24).token_ids  # before any codes
+    assert want == hf_greedy(hf, prompt, 24, suppress=drafter.config.mask_token_id)
+    outs = {}
+    for mode in ("eager", "compile"):
+        rt = dflow_rt.Runtime(target, drafter, dflow_rt.RuntimeConfig(
+            max_batch=1, max_len=64, mode=mode, compiler="aot_eager", verify_width=4, sampling=False))
+        outs[mode] = rt.generate([prompt], max_new_tokens=24)[0]
+    coded = [m for m in (*target.modules(), *drafter.modules()) if isinstance(m, (cpu_ops.Linear, cpu_ops.Embedding))
+             and m.codes is not None]
+    assert coded and all(cpu_ops.held(m.weight) for m in coded)
+    uncoded = {id(p): p.numel() * 4 for m in (target, drafter) for p in m.parameters() if not cpu_ops.held(p)}
+    assert float32_bytes(target, drafter) <= sum(uncoded.values()) + 4 * len(coded)  # one NaN a held weight
+    assert float32_bytes(target) < sum(v.numel() * 4 for v in before.values()) / 4
+    assert outs["eager"] == outs["compile"] == want
+    assert dflow_rt.oracle.generate(target, drafter, prompt, 24).token_ids == want  # the model itself, held
+    state = target.state_dict()
+    assert state.keys() == before.keys()
+    assert all(torch.equal(state[k].view(torch.int32), v.view(torch.int32)) for k, v in before.items())
+    assert all(torch.equal(drafter.state_dict()[k], v) for k, v in drafted.items())
+    saved = load_target(save_model(target, tmp_path / "target"))  # coded again as it loads: held
+    assert all(cpu_ops.held(m.weight) for m in saved.modules() if isinstance(m, cpu_ops.Linear))
+    assert all(torch.equal(saved.state_dict()[k], v) for k, v in before.items())
+    exact_codes.restore(target, drafter)
+    assert not any(cpu_ops.held(p) for p in target.parameters())
+    assert all(torch.equal(target.state_dict()[k].view(torch.int32), v.view(torch.int32)) for k, v in before.items())
+    assert dflow_rt.oracle.generate(target, drafter, prompt, 24).token_ids == want
+
+
+def test_a_model_in_training_mode_keeps_its_float32():
+    """Codes beside the float32 of a model being trained: its optimizer writes the weights in place."""
+    _, target, drafter = coded_pair(tied=False)
+    drafter.train()
+    exact_codes.attach(target, drafter)
+    assert all(cpu_ops.held(m.weight) for m in target.modules() if isinstance(m, cpu_ops.Linear))
+    assert not any(cpu_ops.held(p) for p in drafter.parameters())
+    assert set(exact_codes.kinds(drafter)) >= {"b16"}
+    with torch.no_grad():
+        drafter.fc.weight.add_(1.0)  # stale codes, not served
+    x = torch.randn(2, drafter.fc.in_features)
+    with torch.no_grad():
+        assert torch.equal(drafter.fc(x), torch.ops.dflow_rt.gemv(x, drafter.fc.weight))

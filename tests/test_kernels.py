@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from dflow_rt import Runtime
 from dflow_rt.errors import InputError
-from dflow_rt.kernels import resolve, select, selection
+from dflow_rt.kernels import implementation_for, select, selection
 from dflow_rt.kernels.attention import attention_torch, attention_triton, cache_mask
 from dflow_rt.kernels.commit import commit_torch, commit_triton
 from dflow_rt.kernels.flashinfer_attention import FlashInferAttention, plan_inputs
@@ -183,20 +183,20 @@ def test_implementation_resolution(monkeypatch):
                                   ("attention", "cudnn", "cpu"), ("softmax", "torch", "cpu"),
                                   ("sample", "cpu", "cpu"), ("attention", "cpu", "cuda")]:
         with pytest.raises(InputError):
-            resolve(op, requested, device)
+            implementation_for(op, requested, device)
     with pytest.raises(InputError):
         select({"attn": "torch"})
     present = {"triton": True, "flashinfer": True}
     monkeypatch.setattr(selection, "importable", lambda name: present[name])
-    assert [resolve(op, "auto", "cuda") for op in ("attention", "commit")] == ["flashinfer", "triton"]
+    assert [implementation_for(op, "auto", "cuda") for op in ("attention", "commit")] == ["flashinfer", "triton"]
     present["flashinfer"] = False
-    assert resolve("attention", "auto", "cuda") == "triton"
+    assert implementation_for("attention", "auto", "cuda") == "triton"
     with pytest.raises(InputError, match="import flashinfer"):
-        resolve("attention", "flashinfer", "cuda")
+        implementation_for("attention", "flashinfer", "cuda")
     present["triton"] = False
-    assert resolve("attention", "auto", "cuda") == "torch"
+    assert implementation_for("attention", "auto", "cuda") == "torch"
     with pytest.raises(InputError, match="pip install"):
-        resolve("commit", "triton", "cuda")
+        implementation_for("commit", "triton", "cuda")
 
 
 @needs_triton
@@ -204,7 +204,7 @@ def test_triton_is_selected_where_it_can_run(monkeypatch):
     assert select({"attention": "triton"}, DEV).implementations["attention"] == "triton"
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(InputError, match="CUDA"):
-        resolve("commit", "triton", "cpu")
+        implementation_for("commit", "triton", "cpu")
 
 
 def test_flashinfer_falls_back_where_it_cannot_serve_the_models(reference_pair, monkeypatch):

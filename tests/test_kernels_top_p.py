@@ -12,8 +12,8 @@ sort in opposite directions), how many it keeps is the rule's. So the kept token
 the multiset of their logits. What a sampler keeps is read from its draws on a grid of uniforms fine
 enough to land on every kept token.
 
-On CPU the kernel runs in Triton's interpreter (TRITON_INTERPRET=1, set before its first launch).
-(Named to run beside test_kernels.py, before any test compiles with inductor in this process.)
+On CPU the kernel runs in Triton's interpreter (TRITON_INTERPRET=1, set before its first launch); conftest
+runs this file before any test that compiles with inductor in the same process.
 """
 
 from __future__ import annotations

@@ -80,12 +80,12 @@ def test_the_objective_learns_the_truth_not_the_text(tiny_dir, labelled):  # noq
     against truth[p + k] while the block starts from the text's token at p."""
     from dflow_rt.models.checkpoint import load_target
     from dflow_rt.train.drafter_training import DFLASH_DEFAULTS, build_drafter
-    from dflow_rt.train.loop import resolve_settings
+    from dflow_rt.train.loop import run_settings
 
     out, _ = labelled
     seqs = sequences.load_sequences(out)
     target = load_target(tiny_dir)
-    settings, _ = resolve_settings(DFLASH_DEFAULTS, {"block_size": 8, "layers": 1, "target_layers": [1, 3], "steps": 1},
+    settings, _ = run_settings(DFLASH_DEFAULTS, {"block_size": 8, "layers": 1, "target_layers": [1, 3], "steps": 1},
                                    tiny_dir / "nowhere", False)
     drafter = build_drafter("dflash", target, tiny_dir, settings)
     objective = DraftObjective(drafter, target, gamma=4.0)

@@ -10,10 +10,9 @@ import dflow_rt
 import dflow_rt.oracle
 from dflow_rt.config import RuntimeConfig
 from dflow_rt.engine.lookup import N, NgramIndex
-from dflow_rt.engine.policy import LOOKUP_RETRY, PROBE, WINDOW, ArFallback
+from dflow_rt.engine.policy import LOOKUP_RETRY, PROBE, WINDOW, RoundPolicy
 from dflow_rt.engine.runtime import Runtime
-from tests.helpers import fixed, random_relay
-from tests.test_fallback import _fallback_runtime
+from tests.helpers import fixed, random_relay, scheduled_runtime
 from tests.test_runtime import CASES, record_buckets
 
 
@@ -50,9 +49,9 @@ def repeating_prompts(target, drafter) -> list[list[int]]:
 def test_lookup_rounds_between_drafted_rounds_are_lossless(reference_pair, relay):
     target, drafter = reference_pair
     drafter = random_relay(drafter, seed=1) if relay else drafter
-    rt = _fallback_runtime(target, drafter, lambda i, widths: widths[-1] if i % 4 == 3 else 1,
+    rt = scheduled_runtime(target, drafter, lambda i, widths: widths[-1] if i % 4 == 3 else 1,
                            emit_mask_token=True, lookup=True)
-    rt.fallback.lookup = lambda rows, width: width == 1  # drafted rounds between them
+    rt.policy.lookup = lambda rows, width: width == 1  # drafted rounds between them
     used = record_buckets(rt)
     prompts = repeating_prompts(target, drafter)
     rids = [rt.add_request(p, max_new_tokens=40) for p in prompts]
@@ -72,9 +71,9 @@ def test_lookup_rounds_keep_the_drafters_context(reference_pair):
     tokens, leave the drafter every committed token's features, as plain steps do."""
     target, drafter = reference_pair
     prompt, m = repeating_prompts(target, drafter)[0], 6
-    rt = _fallback_runtime(target, drafter, lambda i, widths: widths[-1] if i >= m else 1, emit_mask_token=True,
+    rt = scheduled_runtime(target, drafter, lambda i, widths: widths[-1] if i >= m else 1, emit_mask_token=True,
                            lookup=True)
-    rt.fallback.lookup = lambda rows, width: width == 1  # lookup rounds among the first m only
+    rt.policy.lookup = lambda rows, width: width == 1  # lookup rounds among the first m only
     rid = rt.add_request(prompt, max_new_tokens=40)
     while not rt.is_finished(rid):
         rt.step()
@@ -101,7 +100,7 @@ def test_lookup_rounds_serve_greedy_and_sampled_rows_losslessly_and_are_off_on_r
     lookups = [key for key in rt.rounds if key[4]]
     assert {key[2] for key in lookups} == {True, False} and all(key[3] == rt.plan.widths[key[0]] for key in lookups)
     prompt = repeating_prompts(target, drafter)[0]
-    for policy in (rt.fallback, rt.sampled_fallback):
+    for policy in (rt.policy, rt.sampled_policy):
         policy.width, policy.lookup = (lambda rows: 1), (lambda rows, width: True)
     plain = Runtime(target, None, RuntimeConfig(max_batch=1, max_len=160, mode="eager"))
 
@@ -124,7 +123,7 @@ def test_lookup_rounds_serve_greedy_and_sampled_rows_losslessly_and_are_off_on_r
 
 
 def test_lookup_rounds_run_while_their_rate_beats_the_width_they_replace():
-    fallback = ArFallback({1: (1, 2, 4)})
+    fallback = RoundPolicy({1: (1, 2, 4)})
     assert fallback.lookup(1, 1)  # nothing timed yet
     for _ in range(5):
         fallback.record(1, 1, 0.010, [1])  # plain steps: 100 tokens/s

@@ -1,24 +1,23 @@
 """Compiled rounds kept on disk: the same tokens with and without the cache, a later Runtime of the
-same shapes starts from the entry, a corrupted entry is detected and rebuilt, the bound holds.
-
-(Named to run after test_kernels.py, as test_runtime.py does: a real inductor compile earlier in the
-process breaks the Triton interpreter those tests run the kernels in.)"""
+same shapes starts from the entry, a corrupted entry is detected and rebuilt, the bound holds."""
 
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 
 import pytest
 import torch
 from torch._dynamo.aot_compile import AOTCompiledFunction
+from torch.torch_version import TorchVersion
 
 import dflow_rt
 import dflow_rt.oracle
-from dflow_rt import Runtime, RuntimeConfig
-from dflow_rt.engine.tuned import resolve
+from dflow_rt import Runtime, RuntimeConfig, compat
+from dflow_rt.engine.settings import resolve_config as resolve
 from dflow_rt.errors import InputError
-from dflow_rt.graphs import compile_cache
+from dflow_rt.graphs import compile_cache, runner
 from dflow_rt.graphs.plan import RoundPlan
 from dflow_rt.kernels.attention import cpu_serves_every_pass
 from dflow_rt.kernels.cpu import ops as cpu_ops
@@ -182,3 +181,25 @@ def test_a_cpu_plan_without_length_buckets_traces_one_static_length(reference_pa
     for case in CASES[:2]:
         want = dflow_rt.oracle.generate(target, drafter, case["prompt_ids"], max_new_tokens=40).token_ids
         assert rt.generate([case["prompt_ids"]], max_new_tokens=40)[0] == want
+
+
+@pytest.mark.skipif(compat.cpp_compiler() is None, reason="inductor compiles CPU rounds with a C++ compiler")
+def test_an_unknown_torch_compiles_plain_rounds_that_decode_the_oracles_tokens(reference_pair, tmp_path,
+                                                                               monkeypatch, caplog):
+    """Plain `torch.compile` with its guards: nothing compiled ahead of time, nothing kept on disk,
+    one warning; the tokens are the oracle's."""
+    target, drafter = reference_pair
+    cpu_ops.enabled()  # the kernel library as this torch built it, not built again for another version
+    monkeypatch.setenv("DFLOW_RT_CACHE", str(tmp_path))
+    monkeypatch.setattr(compat, "_said", set())
+    monkeypatch.setattr(torch, "__version__", TorchVersion("2.99.0"))
+    small = config(sampling=False, ar_fallback=False)
+    prompt = CASES[0]["prompt_ids"]
+    with caplog.at_level(logging.WARNING, logger="dflow_rt"):
+        rt = Runtime(target, drafter, small)
+        got = rt.generate([prompt], max_new_tokens=12)[0]
+    said = [r.getMessage() for r in caplog.records if "is not a version dflow-rt is tested with" in r.getMessage()]
+    assert len(said) == 1, caplog.text
+    assert not any(map(runner._ahead_of_time, rt.rounds.values()))  # every round guards its own calls
+    assert not rt.compile_cache_hit and compile_cache.entries() == []
+    assert got == dflow_rt.oracle.generate(target, drafter, prompt, max_new_tokens=12).token_ids

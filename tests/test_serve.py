@@ -386,7 +386,7 @@ def test_plain_target_steps_are_served(pair, alone):
     rt = Runtime(target, drafter, RuntimeConfig(max_batch=2, max_len=MAX_LEN, mode="eager", verify_width=None,
                                                 ar_fallback=True))
     rounds = iter(range(10**6))
-    rt.fallback.width = lambda rows: rt.plan.widths[rows] if next(rounds) % 2 else 1
+    rt.policy.width = lambda rows: rt.plan.widths[rows] if next(rounds) % 2 else 1
     engine = Engine(rt, tokenizer, max_queue=4, stop_token_ids=stop_token_ids(tokenizer))
     engine.start()
     prompt = "def add(a, b):"

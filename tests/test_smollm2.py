@@ -15,7 +15,6 @@ import torch
 
 import dflow_rt
 import dflow_rt.oracle
-from dflow_rt.errors import InputError
 from dflow_rt.models import fetch
 from dflow_rt.models.bundled import target_dir
 
@@ -127,10 +126,23 @@ def test_missing_extra_and_full_disk(tmp_path, monkeypatch):
         fetch.fetch_model("smollm2", out=tmp_path / "mine")
 
 
-def test_target_dir_asks_for_a_fetch(tmp_path, monkeypatch):
+def test_target_dir_fetches_a_named_target_on_first_use(tmp_path, monkeypatch):
+    """`--target smollm2` on a machine without it fetches it once (as `dflow-rt fetch-model` does)."""
+    from dflow_rt.models import fetch
+
     monkeypatch.setenv("DFLOW_RT_CACHE", str(tmp_path))
-    with pytest.raises(InputError, match="run `dflow-rt fetch-model smollm2`"):
-        target_dir("smollm2")
+    fetched = []
+
+    def fake_fetch(name):
+        fetched.append(name)
+        out = fetch.model_dir(name)
+        out.mkdir(parents=True)
+        (out / fetch.MANIFEST).write_text('{"files": {}}')
+        return out
+
+    monkeypatch.setattr(fetch, "fetch_model", fake_fetch)
+    assert target_dir("smollm2") == fetch.model_dir("smollm2") and fetched == ["smollm2"]
+    assert target_dir("smollm2") == fetch.model_dir("smollm2") and fetched == ["smollm2"]  # once
     assert target_dir(str(tmp_path)) == tmp_path and target_dir(None).name == "target"
 
 

@@ -615,7 +615,7 @@ def test_draft_vocab_sequences_and_amp_options(tiny_dir, data_file, tmp_path, ca
 @pytest.mark.parametrize("model_type", ["qwen3", "llama"])
 def test_init_layers_start_the_drafter_as_copies_of_target_layers(model_type, tmp_path):
     from dflow_rt.train.drafter_training import DFLASH_DEFAULTS, build_drafter
-    from dflow_rt.train.loop import resolve_settings
+    from dflow_rt.train.loop import run_settings
 
     torch.manual_seed(0)
     target = Target(TargetConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
@@ -623,7 +623,7 @@ def test_init_layers_start_the_drafter_as_copies_of_target_layers(model_type, tm
     with torch.no_grad():
         for p in target.parameters():
             p.normal_()
-    s, _ = resolve_settings(DFLASH_DEFAULTS, {"steps": 1, "layers": 2, "init_layers": [3, 1]}, tmp_path, False)
+    s, _ = run_settings(DFLASH_DEFAULTS, {"steps": 1, "layers": 2, "init_layers": [3, 1]}, tmp_path, False)
     drafter = build_drafter("dflash", target, tmp_path, s)
     for mine, i in zip(drafter.layers, (3, 1), strict=True):
         theirs = target.model.layers[i].state_dict()

@@ -25,7 +25,8 @@ from tqdm import tqdm
 
 from dflow_rt.config import DTYPES, RuntimeConfig
 from dflow_rt.engine.runtime import Runtime
-from dflow_rt.engine.tuned import TunedConfig, apply
+from dflow_rt.engine.settings import apply_tuned
+from dflow_rt.engine.tuned import TunedConfig
 from dflow_rt.errors import InputError
 
 MIN_NOISE = 0.02  # paired ratios within 2 % are noise on any machine we measured: a win must clear it
@@ -165,8 +166,8 @@ class Tuner:
         self.runtimes: dict[tuple[TunedConfig, bool], Runtime] = {}
         self.references: dict[str, dict[tuple[int, int], list[list[int]]]] = {}
         self.trials: list[dict] = []
-        # every candidate is one more graph of the same round function: allow plenty
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
+        # every candidate's Runtime compiles the same round function: each counts its own graphs against its
+        # own limit (`compat.compile_function`), so no global limit is raised here
 
     def runtime(self, point: TunedConfig, ar: bool = False) -> Runtime:
         """The Runtime of `point` (autoregressive, without the drafter, for `ar`), built once."""
@@ -175,7 +176,8 @@ class Tuner:
             torch.set_num_threads(point.threads)  # compiled kernels keep the thread count they were built with
             base = RuntimeConfig(max_batch=max(self.batches), max_len=self.measure.max_len,
                                  batch_buckets=self.batches, tuned=False, ar_fallback=False)
-            self.runtimes[point, ar] = Runtime(target, None if ar else drafter, apply(base, point, self.block_size))
+            config = apply_tuned(base, point, self.block_size)
+            self.runtimes[point, ar] = Runtime(target, None if ar else drafter, config)
         return self.runtimes[point, ar]
 
     def groups(self, n: int) -> list[list[list[int]]]:

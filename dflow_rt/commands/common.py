@@ -25,18 +25,33 @@ def load_models_from(args: argparse.Namespace, need_tokenizer: bool = True, dtyp
     return load_models(args.target, args.drafter, args.device, args.threads, need_tokenizer, dtype)
 
 
-def runtime_config(args: argparse.Namespace, tuned, block: int, **sizes):
-    """The Runtime's settings from the command line: a flag given wins, then the autotune knobs
-    (`tuned`, already looked up with the dtype in mind), then the Runtime's per-device defaults
-    (`tuned.resolve`)."""
-    from dflow_rt.config import AUTO, RuntimeConfig
-    from dflow_rt.engine.tuned import apply
+def load_decoding_models(args: argparse.Namespace):
+    """(target, drafter or None, tokenizer) for a command that decodes (generate, serve): the bundled
+    DFlash drafter by default where the package ships one for the target (`--drafter none`: the
+    target alone), and the autotune file's dtype and threads where the flags leave them open."""
+    from dflow_rt.models.bundled import bundled_targets
 
-    config = RuntimeConfig(**sizes, block_size=args.block_size, mode=args.mode or AUTO,
-                           verify_width=AUTO if args.verify_width is None else args.verify_width, tuned=False,
-                           ar_fallback=AUTO if getattr(args, "ar_fallback", None) is None else args.ar_fallback,
-                           lookup=getattr(args, "lookup", True), keep_timings=getattr(args, "keep_timings", True))
-    return apply(config, tuned, block)
+    if args.drafter is None and (args.target is None or args.target in bundled_targets()):
+        args.drafter = "dflash"  # the default drafter of every bundled pair (docs/RESULTS.md)
+    tuned = tuned_knobs(args)
+    if tuned is not None and args.threads is None:
+        args.threads = tuned.threads
+    return load_models_from(args, dtype=args.dtype or (tuned.dtype if tuned else None))
+
+
+def runtime_config(args: argparse.Namespace, **sizes):
+    """The Runtime's settings from the command line: the flags given, explicit; the rest "auto", which
+    the Runtime resolves (`engine.settings.resolve_config`: the autotune knobs unless --no-tuned, then
+    the per-device defaults). Compiled rounds not yet on disk do not hold up the answer (`eager_start`)
+    unless --compile-wait, or this process is the one building them (`--build-rounds`)."""
+    from dflow_rt.config import AUTO, RuntimeConfig
+
+    wait = getattr(args, "compile_wait", False) or getattr(args, "build_rounds", False)
+    return RuntimeConfig(**sizes, block_size=args.block_size, mode=args.mode or AUTO, eager_start=not wait,
+                         verify_width=AUTO if args.verify_width is None else args.verify_width,
+                         tuned=not getattr(args, "no_tuned", False),
+                         ar_fallback=AUTO if getattr(args, "ar_fallback", None) is None else args.ar_fallback,
+                         lookup=getattr(args, "lookup", True), keep_timings=getattr(args, "keep_timings", True))
 
 
 def tuned_knobs(args: argparse.Namespace):
@@ -58,6 +73,33 @@ def tuned_knobs(args: argparse.Namespace):
         print(f"autotune: {tuned.path}: dtype {tuned.dtype}, mode {tuned.mode}, threads {tuned.threads}, "
               f"verify width {dict(tuned.verify_width) or 'the block'} (--no-tuned: the defaults)", file=sys.stderr)
     return tuned
+
+
+def add_start_args(p: argparse.ArgumentParser) -> None:
+    """--compile-wait, and the hidden --build-rounds of the background build (`build_in_background`)."""
+    p.add_argument("--compile-wait", action="store_true",
+                   help="where no compiled rounds are on disk yet, compile them before the first answer (minutes) "
+                        "instead of answering from eager rounds while a background process builds them")
+    p.add_argument("--build-rounds", action="store_true", help=argparse.SUPPRESS)
+
+
+def build_in_background(argv: list[str], meanwhile: str) -> None:
+    """Run this command again as `--build-rounds`, detached: it builds the compiled rounds into the
+    disk cache and exits, so that later starts (and a running server, between requests) use them.
+    One line on stderr says so, with the build's pid and log."""
+    import os
+    import subprocess
+
+    from dflow_rt.paths import cache_root
+
+    log = cache_root() / "compiled" / f"build-{os.getpid()}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "dflow_rt", *argv, "--build-rounds"], stdin=subprocess.DEVNULL,
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    print(f"dflow-rt: no compiled rounds on disk for these models and settings yet: {meanwhile}; building them in "
+          f"the background for later runs (pid {proc.pid}, log {log}; --compile-wait: compile first)",
+          file=sys.stderr, flush=True)
 
 
 def add_tuned_args(p: argparse.ArgumentParser) -> None:

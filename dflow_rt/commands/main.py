@@ -6,7 +6,15 @@ import argparse
 import json
 import sys
 
-from dflow_rt.commands.common import add_tuned_args, load_models_from, model_args, runtime_config, tuned_knobs
+from dflow_rt.commands.common import (
+    add_start_args,
+    add_tuned_args,
+    build_in_background,
+    load_decoding_models,
+    load_models_from,
+    model_args,
+    runtime_config,
+)
 from dflow_rt.config import DTYPES, MODES
 from dflow_rt.errors import DflowError
 
@@ -21,12 +29,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     from dflow_rt.engine.runtime import Runtime
     from dflow_rt.tokenizer import stop_token_ids
 
-    if args.drafter is None and args.target is None:
-        args.drafter = "dflash"  # the bundled pair's default drafter (docs/RESULTS.md)
-    tuned = tuned_knobs(args)
-    if tuned is not None and args.threads is None:
-        args.threads = tuned.threads
-    target, drafter, tokenizer = load_models_from(args, dtype=args.dtype or (tuned.dtype if tuned else None))
+    target, drafter, tokenizer = load_decoding_models(args)
     if args.chat:
         ids = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}],
                                             add_generation_prompt=True, tokenize=True)
@@ -36,11 +39,13 @@ def cmd_generate(args: argparse.Namespace) -> None:
     block = 1 if drafter is None else (args.block_size or drafter.block_size)
     check_fits(len(ids), args.max_new_tokens, block, target.config.max_position_embeddings)  # before allocating
     sampling = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed}
-    config = runtime_config(args, tuned, block, max_batch=1, max_len=len(ids) + args.max_new_tokens + block,
+    config = runtime_config(args, max_batch=1, max_len=len(ids) + args.max_new_tokens + block,
                             sampling=args.temperature > 0)  # greedy: half the graphs to compile
     t0 = time.perf_counter()
     rt = Runtime(target, drafter, config)
     setup_s = time.perf_counter() - t0
+    if args.build_rounds:
+        return  # built and on disk: the process that started this one answered already
     out = run_one(rt, ids, args.max_new_tokens, stop_token_ids(tokenizer), **sampling)
     text = tokenizer.decode(out.token_ids, skip_special_tokens=True)
     stats = {"tau": round(out.tau, 4), "tokens_per_s": round(out.decode_tokens_per_s, 2),
@@ -53,15 +58,18 @@ def cmd_generate(args: argparse.Namespace) -> None:
                           "lookup": rt.plan.lookup,
                           "threads": torch.get_num_threads(),
                           "dtype": str(target.lm_head.weight.dtype).removeprefix("torch."),
+                          "compile_pending": rt.compile_pending,
                           "setup_s": round(setup_s, 4), "first_step_s": round(out.first_step_seconds, 4),
                           "decode_s": round(out.decode_seconds, 4)}))
     else:
         print(text)
-        plain = f" ({out.plain_steps} plain target steps: drafting did not pay)" if out.plain_steps else ""
+        plain = f" ({out.plain_steps} plain target steps: drafting did not pay)" if out.plain_steps and drafter else ""
         plain += f" ({out.lookup_rounds} lookup rounds: {out.lookup_tokens} tokens)" if out.lookup_rounds else ""
         print(f"\ntau {stats['tau']:.2f} | decode {stats['tokens_per_s']:.1f} tokens/s | "
               f"{stats['rounds']} rounds{plain}",
               file=sys.stderr if args.quiet_stats else sys.stdout)
+    if rt.compile_pending:
+        build_in_background(args.argv, "this answer ran on eager rounds")
 
 
 def cmd_eval_tau(args: argparse.Namespace) -> None:
@@ -197,6 +205,7 @@ def parser() -> argparse.ArgumentParser:
                    help="weights and activations; bfloat16 is faster on CPUs with BF16 instructions, and its greedy "
                         "output is the bf16 target's, not the float32 one's [float32 on CPU, bfloat16 on CUDA]")
     add_tuned_args(g)
+    add_start_args(g)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     g.add_argument("--quiet-stats", action="store_true", help="print the statistics line to stderr")
@@ -271,6 +280,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # what a background build runs again
     try:
         args.run(args)
     except DflowError as err:

@@ -12,7 +12,14 @@ import signal
 import sys
 from pathlib import Path
 
-from dflow_rt.commands.common import add_tuned_args, load_models_from, model_args, runtime_config, tuned_knobs
+from dflow_rt.commands.common import (
+    add_start_args,
+    add_tuned_args,
+    build_in_background,
+    load_decoding_models,
+    model_args,
+    runtime_config,
+)
 from dflow_rt.config import DTYPES, MODES
 from dflow_rt.errors import DflowError
 
@@ -41,6 +48,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--mode", choices=MODES, default=None, help="as for generate [the tuned one, else per device]")
     s.add_argument("--dtype", choices=DTYPES, default=None, help="as for generate")
     add_tuned_args(s)
+    add_start_args(s)
     s.add_argument("--api-key", default=None,
                    help="every route but /health then needs `Authorization: Bearer KEY` (401 otherwise); also from "
                         "the environment variable DFLOW_RT_API_KEY [none: anyone who reaches the port is served]")
@@ -59,15 +67,9 @@ def build_engine(args: argparse.Namespace):
     from dflow_rt.serve.engine import Engine
     from dflow_rt.tokenizer import stop_token_ids
 
-    if args.drafter is None and args.target is None:
-        args.drafter = "dflash"  # the bundled pair's default drafter, as for generate
-    tuned = tuned_knobs(args)
-    if tuned is not None and args.threads is None:
-        args.threads = tuned.threads
-    target, drafter, tokenizer = load_models_from(args, dtype=args.dtype or (tuned.dtype if tuned else None))
-    block = 1 if drafter is None else (args.block_size or drafter.block_size)
+    target, drafter, tokenizer = load_decoding_models(args)
     max_len = args.max_len or min(target.config.max_position_embeddings, DEFAULT_MAX_LEN)
-    config = runtime_config(args, tuned, block, max_batch=args.max_batch, max_len=max_len)
+    config = runtime_config(args, max_batch=args.max_batch, max_len=max_len)
     engine = Engine(Runtime(target, drafter, config), tokenizer, args.max_queue, stop_token_ids(tokenizer),
                     args.max_prefill_tokens)
     name = args.served_model_name or (Path(args.target).name if args.target else "bundled")
@@ -89,6 +91,10 @@ def cmd_serve(args: argparse.Namespace) -> None:
     if args.max_queue < 0 or args.shutdown_grace < 0 or args.max_prefill_tokens < 1:
         raise DflowError("--max-queue and --shutdown-grace must be >= 0, --max-prefill-tokens >= 1")
     engine, name = build_engine(args)
+    if args.build_rounds:
+        return  # built and on disk: the server that started this process switches to them
+    if engine.rt.compile_pending:
+        build_in_background(args.argv, "serving from eager rounds meanwhile (the server switches between requests)")
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:  # a signal handler: drain() only sets an attribute
@@ -102,7 +108,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
     app = create_app(engine, name, args.shutdown_grace, api_key)
     server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                    timeout_graceful_shutdown=int(args.shutdown_grace) + 5))
-    print(f"dflow-rt: serving {name!r} on http://{args.host}:{args.port}/v1 (mode {engine.rt.config.mode}, "
+    mode = engine.rt.config.mode + (" after eager rounds meanwhile" if engine.rt.compile_pending else "")
+    print(f"dflow-rt: serving {name!r} on http://{args.host}:{args.port}/v1 (mode {mode}, "
           f"max batch {engine.rt.config.max_batch}, context {engine.max_len})", file=sys.stderr, flush=True)
     # uvicorn re-raises the signal it stopped for once it is done; a no-op handler turns that into a
     # clean exit (status 0) after the drain instead of death by the default handler

@@ -247,7 +247,7 @@ def _drafter_parser(p: argparse.ArgumentParser, dflow: bool) -> None:
                        "later rounds, each clipped apart: the relay-off drafter gets DFlash updates")
         m.add_argument("--oracle-relay", action="store_const", const=True,
                        help="an experiment, not a drafter to deploy: the relay learns from the target's states of "
-                       "the true continuation, which no inference round has (bench/oracle_relay.py)")
+                       "the true continuation, which no inference round has (docs/experiments.md: the oracle relay)")
         m.add_argument("--freeze-base", action="store_const", const=True,
                        help="the relay alone, as --base-lr-scale 0 but ~1.2x faster: the DFlash weights get no "
                        "gradient, so the gradient clip's norm is the relay's alone")

@@ -79,6 +79,7 @@ FIELD_CHECKS: dict[str, Callable[[object, RuntimeConfig], object]] = {
     "tuned": lambda v, c: _flag("tuned", v),
     "compile_cache": lambda v, c: _flag("compile_cache", v),
     "keep_timings": lambda v, c: _flag("keep_timings", v),
+    "eager_start": lambda v, c: _flag("eager_start", v),
     "freeze": lambda v, c: _flag("freeze", v),
     "ar_fallback": lambda v, c: v == AUTO or _flag("ar_fallback", v),
     "sampling": lambda v, c: _flag("sampling", v),

@@ -4,7 +4,7 @@ the tokens that followed them then are a draft of what follows now.
 Code repeats its own names and lines; a drafter trained on little data does not. A round that
 verifies such drafts costs no draft pass, only the wider verify; where a row's text offers a
 continuation, the Runtime runs one while such rounds decode faster than the width the fallback chose
-(`Runtime._step`, `ArFallback.lookup`). Like every round it is lossless: the target checks each
+(`Runtime._step`, `RoundPolicy.lookup`). Like every round it is lossless: the target checks each
 draft. The index is host-side: one dict per request, updated with the tokens each round emits.
 """
 

@@ -92,7 +92,7 @@ class _Bucket:
         return 1 if top != 1 and 1 in rates and rates[top] < MARGIN * rates[1] else top
 
 
-class ArFallback:
+class RoundPolicy:
     """The choice of `Runtime.step()`: `width(rows)` before a round, `record(...)` after it.
     `widths` maps each batch bucket to the verify widths it has rounds for (1 among them)."""
 

@@ -19,21 +19,23 @@ import time
 from collections import deque
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 
 import torch
 
+from dflow_rt import compat
 from dflow_rt.checks import check_fits, check_int, check_sampling, cut_at_stop, prompt_tensor, stop_set
 from dflow_rt.config import RuntimeConfig
-from dflow_rt.engine.limits import check_config, check_memory, rotary_growth
+from dflow_rt.engine.limits import check_memory, rotary_growth
 from dflow_rt.engine.lookup import NgramIndex
-from dflow_rt.engine.policy import UNTIMED, ArFallback, TimingsFile
-from dflow_rt.engine.tuned import resolve
+from dflow_rt.engine.policy import UNTIMED, RoundPolicy, TimingsFile
+from dflow_rt.engine.request import Request
+from dflow_rt.engine.settings import resolve_config
 from dflow_rt.errors import BusyError, InputError, RequestError
 from dflow_rt.graphs import compile_cache
 from dflow_rt.graphs.plan import RoundPlan
 from dflow_rt.graphs.runner import build_rounds, guard_failure
 from dflow_rt.graphs.state import DecodeState
+from dflow_rt.kernels.cpu import ops as cpu_ops
 from dflow_rt.kernels.sampling import sample, screen
 from dflow_rt.models import exact_codes, huge_pages
 
@@ -41,34 +43,9 @@ log = logging.getLogger("dflow_rt")
 FAULT = "its logits became NaN or infinite (a numerical fault in its row, which was cleaned; other requests go on)"
 
 
-@dataclass
-class Request:
-    rid: int
-    prompt: torch.Tensor
-    max_new_tokens: int
-    stop: frozenset[int]
-    temperature: float
-    top_k: int
-    top_p: float
-    seed: int
-    row: int = -1
-    position: int = 0  # absolute position of the next round's block slot 0 (the device's `start`)
-    emitted: list[int] = field(default_factory=list)
-    acceptance: list[int] = field(default_factory=list)  # tokens per round (accepted drafts + bonus)
-    plain_steps: int = 0  # of those rounds, the ones in which the target stepped alone (`RuntimeConfig.ar_fallback`),
-    #                       which emit one token each
-    lookup_rounds: int = 0  # and the ones that verified the text's own continuation (`RuntimeConfig.lookup`)
-    lookup_tokens: int = 0  # what those emitted
-    text: NgramIndex | None = None  # prompt and output, where lookup rounds find their drafts
-    finished: bool = False
-    error: str | None = None  # why the request failed, if it did (it is also finished)
-    delivered: int = 0  # tokens of `emitted` that `stream` has yielded: the rest wait here for it
-
-
 class Runtime:
     def __init__(self, target, drafter=None, config: RuntimeConfig | None = None):
-        c = check_config(RuntimeConfig() if config is None else config)
-        c = check_config(resolve(c, target, drafter))  # "auto": the autotune file's knobs, else per-device defaults
+        c = resolve_config(RuntimeConfig() if config is None else config, target, drafter)
         self.config = c
         if c.mode == "cudagraph" and target.lm_head.weight.device.type != "cuda":
             raise InputError("mode 'cudagraph' needs the models on a CUDA device")
@@ -78,7 +55,6 @@ class Runtime:
         check_memory(dataclasses.replace(c, max_len=positions), target, drafter, plan.block_size)
         huge_pages.place(target, drafter)  # CPU weights streamed each step: fewer page walks
         self.exact_codes = exact_codes.attach(target, drafter)  # fewer bytes a step, same values
-        self._coded = exact_codes.watch(target, drafter) if c.mode != "eager" else []  # eager checks each product
         if self.exact_codes and self.exact_codes["coded"]:
             log.info("weights in exact codes: %.0f MB of float32 streamed as %.0f MB",
                      self.exact_codes["float32"] / 1e6, self.exact_codes["coded"] / 1e6)
@@ -86,44 +62,93 @@ class Runtime:
         self.rows: list[Request | None] = [None] * c.max_batch
         with rotary_growth(c.max_len, target, drafter):  # undone if construction fails
             self.state = DecodeState.allocate(target, drafter, c.max_batch, positions, plan.block_size)
-            cache = self._compile_cache()
+            self._before, cache = before, self._compile_cache()
+            # eager_start on an empty cache: eager rounds now, the compiled ones once on disk (`compile_rounds`)
+            self.compile_pending = cache is not None and c.eager_start and not (cache.dir / compile_cache.META).exists()
+            now, cache = (dataclasses.replace(plan, mode="eager"), None) if self.compile_pending else (plan, cache)
             with torch.inference_mode():
-                self.rounds = build_rounds(target, drafter, self.state, plan, before, cache)
+                self.rounds = build_rounds(target, drafter, self.state, now, before, cache)
             self.compile_cache_hit = cache is not None and cache.loaded > 0 and cache.saved == 0
-        # compiled and captured rounds read each weight where it was when they were built (`step` checks)
-        self._placed = [(p, p.data_ptr()) for m in (target, drafter) if m is not None for p in m.parameters()] \
-            if c.mode != "eager" else []
         self.rounds_run = 0
-        self.fallback = self.sampled_fallback = self.timings = None  # greedy rounds' policy, sampled rounds'
-        if plan.ar_fallback:
-            widths = {n: plan.round_widths(n) for n in plan.rows}
-            self.fallback, self.sampled_fallback = ArFallback(widths), ArFallback(widths)
-            if c.keep_timings:
-                self.timings = TimingsFile(self._timings_key())
-                kept = self.timings.load()
-                self.fallback.restore(kept.get("greedy", {}))
-                self.sampled_fallback.restore(kept.get("sampled", {}))
+        self._start_policy()
         self.waiting: deque[Request] = deque()
         self.free_rows = list(range(c.max_batch))  # a heap: lowest rows first keeps buckets small
         self.requests: dict[int, Request] = {}
         self._rids = itertools.count()  # next() is atomic: add_request may run beside a step()
         self._stepping = threading.Lock()
 
+    def _start_policy(self) -> None:
+        """What compiled rounds check each step (the weights where they were built, and their exact
+        codes), and the round policy, from the timings kept for these rounds (not while eager rounds
+        stand in for compiled ones: their costs differ)."""
+        c, plan, models = self.config, self.plan, [m for m in (self.target, self.drafter) if m is not None]
+        compiled = c.mode != "eager" and not self.compile_pending
+        self._coded = exact_codes.watch(*models) if compiled else []  # eager rounds check each product
+        self._placed = [(p, p.data_ptr()) for m in models for p in m.parameters()] if compiled else []
+        self.policy = self.sampled_policy = self.timings = None  # greedy rounds' policy, sampled rounds'
+        if plan.ar_fallback:
+            widths = {n: plan.round_widths(n) for n in plan.rows}
+            self.policy, self.sampled_policy = RoundPolicy(widths), RoundPolicy(widths)
+            if c.keep_timings and not self.compile_pending:
+                self.timings = TimingsFile(self._timings_key())
+                kept = self.timings.load()
+                self.policy.restore(kept.get("greedy", {}))
+                self.sampled_policy.restore(kept.get("sampled", {}))
+
+    def compile_rounds(self) -> bool:
+        """Switch an `eager_start` Runtime to its compiled rounds: loaded from the disk cache where
+        another process built them (seconds), else compiled here (minutes). Only while no request
+        holds a row, since building runs each round once over the rows; False (nothing done) else.
+        `step()` does it by itself when the compiled rounds appear on disk between requests."""
+        with self._exclusive("compile_rounds"), torch.inference_mode():
+            return self._switch_to_compiled()
+
+    def _switch_to_compiled(self) -> bool:
+        if not self.compile_pending:
+            return True
+        if any(row is not None for row in self.rows):
+            return False
+        cache = self._compile_cache()
+        self.rounds = build_rounds(self.target, self.drafter, self.state, self.plan, self._before, cache)
+        self.compile_cache_hit = cache is not None and cache.loaded > 0 and cache.saved == 0
+        self.compile_pending = False
+        self._start_policy()
+        log.info("compiled rounds in use (%s)", "from the disk cache" if self.compile_cache_hit else "compiled here")
+        return True
+
     def _compile_cache(self) -> compile_cache.Entry | None:
         """The disk cache's entry for these rounds, or None where rounds are not kept: eager, another
-        compiler than inductor, frozen weights, or opted out."""
+        compiler than inductor, frozen weights, opted out, a torch `compat` does not know, or CPU
+        rounds without a C++ compiler (they run eager)."""
         c = self.config
-        if c.mode == "eager" or c.compiler != "inductor" or not c.compile_cache or c.freeze:
+        if c.mode == "eager" or c.compiler != "inductor" or not c.compile_cache or c.freeze or not compat.known():
+            return None
+        if self.state.tokens.device.type == "cpu" and compat.cpp_compiler() is None:
             return None
         return compile_cache.Entry(*compile_cache.entry_key(self.target, self.drafter, self.plan.graph_settings()))
+
+    def _compiled_on_disk(self) -> bool:
+        """Whether this eager-started Runtime's compiled rounds are on disk now, and no row is live; the
+        disk is asked at most once a second."""
+        now = time.monotonic()
+        if any(row is not None for row in self.rows) or now - getattr(self, "_asked", 0.0) < 1.0:
+            return False
+        self._asked = now
+        cache = self._compile_cache()
+        return cache is not None and (cache.dir / compile_cache.META).exists()
 
     def _timings_key(self) -> str:
         """The fallback's file: these models (their values too: another drafter accepts otherwise), these
         rounds, on this machine and thread count (`compile_cache.entry_key`)."""
         values = hashlib.sha256()
         for m in (self.target, self.drafter):
-            for p in m.parameters() if m is not None else ():
-                values.update(p.detach().reshape(-1)[:16].float().cpu().numpy().tobytes())
+            for module in m.modules() if m is not None else ():
+                codes = getattr(module, "codes", None)  # a weight held as codes has no float32 values to read
+                if codes is not None:
+                    values.update(codes.codes.reshape(-1)[:64].cpu().numpy().tobytes())
+                for p in module.parameters(recurse=False):
+                    if not cpu_ops.held(p):
+                        values.update(p.detach().reshape(-1)[:16].float().cpu().numpy().tobytes())
         settings = {**self.plan.graph_settings(), "rows": self.plan.rows, "widths": self.plan.widths,
                     "values": values.hexdigest()[:16]}
         return compile_cache.entry_key(self.target, self.drafter, settings)[0]
@@ -185,6 +210,8 @@ class Runtime:
         non-blocking lock: nobody waits, and nobody changes the rows under a running round).
         """
         with self._exclusive("step"), torch.inference_mode():
+            if self.compile_pending and self._compiled_on_disk():
+                self._switch_to_compiled()  # only between requests: no row is live
             if self._coded and exact_codes.changed(self._coded):
                 raise InputError("a weight of the models changed after this Runtime was built: its compiled "
                                  "rounds read the weights' exact codes from then (DFLOW_RT_EXACT_CODES); build "
@@ -238,7 +265,7 @@ class Runtime:
             return {}
         n, length = self.bucket(max(r.row for r in live) + 1, max(r.position for r in live))
         greedy = (n, length, True, self.plan.widths[n], False) in self.rounds and all(r.temperature == 0 for r in live)
-        policy = self.fallback if greedy else self.sampled_fallback
+        policy = self.policy if greedy else self.sampled_policy
         width = self.plan.widths[n] if policy is None else policy.width(n)
         drafts = self._lookup_drafts(live, self.plan.widths[n] - 1) if self.plan.lookup else None
         lookup = drafts is not None and policy.lookup(n, width)
@@ -283,7 +310,7 @@ class Runtime:
             else:
                 policy.record(n, width, seconds, made)
             if ended and self.timings is not None:
-                self.timings.save({"greedy": self.fallback.state(), "sampled": self.sampled_fallback.state()},
+                self.timings.save({"greedy": self.policy.state(), "sampled": self.sampled_policy.state()},
                                   force=self.timings.saved_at is None)
         return result
 

@@ -1,5 +1,5 @@
-"""Tuned runtime knobs on disk: where `dflow-rt autotune` writes them, and how a Runtime or the CLI
-reads them at start.
+"""Tuned runtime knobs on disk: where `dflow-rt autotune` writes them and how they are read back
+(`engine.settings` applies them).
 
 One JSON file per device (`<config dir>/tuned/<device key>.json`), one entry per (target, drafter)
 pair, knobs per dtype and per batch bucket. The Runtime imports this module when it starts, so it
@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dflow_rt.config import AUTO, DEVICE_DEFAULTS, DTYPES, MODES, RuntimeConfig
+from dflow_rt.config import DTYPES, MODES
 
 log = logging.getLogger(__name__)
 FORMAT = 1
@@ -27,7 +27,7 @@ FORMAT = 1
 @dataclass(frozen=True)
 class TunedConfig:
     """The knobs of one (target, drafter, device, dtype), and also a point of the job's search: what
-    the job measures is exactly what `apply` gives a Runtime. Hashable, so widths are pairs.
+    the job measures is exactly what `engine.settings.apply_tuned` gives a Runtime. Hashable, so widths are pairs.
 
     verify_width: (batch bucket, k) pairs; empty = the whole block everywhere.
     length_step: spacing of the length buckets; None = RuntimeConfig's default.
@@ -139,64 +139,6 @@ def load_tuned(target: str | Path | None, drafter: str | Path | None, device: ob
         return None
     log.info("autotune: using %s knobs for %s from %s", dtype, key, path)
     return tuned
-
-
-def apply(config: RuntimeConfig, tuned: TunedConfig | None, block_size: int | None = None) -> RuntimeConfig:
-    """`config` with the tuned mode, verify widths and kernels where it left them "auto" (an
-    explicit setting wins), and the tuned length spacing unless it names its own length buckets
-    (explicit buckets are usually a memory decision). A batch bucket the job did not measure takes
-    the width of the nearest measured one below it (else the smallest); widths are capped at
-    `block_size` when given (a smaller --block-size than the drafter's)."""
-    if tuned is None:
-        return config
-    changes: dict = {}
-    if config.mode == AUTO:
-        changes["mode"] = tuned.mode
-    if config.verify_width == AUTO:
-        if config.ar_fallback == AUTO:  # the widths are the Runtime's choice, so is leaving them
-            changes["ar_fallback"] = tuned.mode != "cudagraph"
-        changes["verify_width"] = None  # the job measured the whole block
-        if tuned.verify_width:
-            measured = dict(tuned.verify_width)
-            below = {n: max((m for m in measured if m <= n), default=min(measured)) for n in config.buckets()}
-            changes["verify_width"] = {n: min(measured[m], block_size or measured[m]) for n, m in below.items()}
-    if tuned.length_step and config.length_buckets is None:
-        step = tuned.length_step
-        changes["length_buckets"] = tuple(range(max(step, 128), config.max_len, step)) or None
-    if tuned.kernels is not None and config.kernels == AUTO:
-        changes["kernels"] = tuned.kernels
-    return dataclasses.replace(config, **changes)
-
-
-def tuned_for(config: RuntimeConfig, target, drafter=None) -> RuntimeConfig:
-    """The Runtime's hook: `config` with the knobs tuned for these loaded models (identified by the
-    directories they were loaded from, in the dtype and on the device they sit on)."""
-    weight = target.lm_head.weight
-    tuned = load_tuned(getattr(target, "source", None), getattr(drafter, "source", None) if drafter else None,
-                       weight.device, str(weight.dtype).removeprefix("torch."))
-    block = config.block_size or (drafter.block_size if drafter is not None else 1)
-    return apply(config, tuned, block)
-
-
-def resolve(config: RuntimeConfig, target, drafter=None) -> RuntimeConfig:
-    """`config` with every "auto" field chosen for these models where they sit: the autotune file's
-    knobs when `config.tuned` finds some, else DEVICE_DEFAULTS for the device and dtype (a default
-    verify width no wider than the block: 1 without a drafter). The fallback to plain steps is the
-    Runtime's only where the verify width is too: a width given is a width kept."""
-    c = config
-    if c.ar_fallback == AUTO and c.verify_width != AUTO:
-        c = dataclasses.replace(c, ar_fallback=False)
-    if c.tuned and AUTO in (c.mode, c.verify_width, c.kernels):
-        c = tuned_for(c, target, drafter)
-    weight = target.lm_head.weight
-    dtype = str(weight.dtype).removeprefix("torch.")
-    defaults = DEVICE_DEFAULTS.get((weight.device.type, dtype)) or DEVICE_DEFAULTS.get((weight.device.type, None))
-    defaults = dict(defaults or {"mode": "eager", "verify_width": None, "ar_fallback": False})
-    defaults["ar_fallback"] &= drafter is not None
-    block = c.block_size or (drafter.block_size if drafter is not None else 1)
-    if defaults["verify_width"] is not None:
-        defaults["verify_width"] = min(defaults["verify_width"], block)
-    return dataclasses.replace(c, **{k: v for k, v in defaults.items() if getattr(c, k) == AUTO})
 
 
 def store(entry: dict, key: str, device: str, directory: str | Path | None = None) -> Path:

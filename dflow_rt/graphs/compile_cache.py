@@ -1,7 +1,7 @@
 """Compiled rounds kept on disk, so that a second start of a compiled Runtime takes seconds.
 
 Each graph of a Runtime (one per row count, verify width and variant) is compiled ahead of time
-(`torch.compile(...).aot_compile`) into one file: dynamo's bytecode and guards with inductor's code.
+(`compat.aot_compile`) into one file: dynamo's bytecode and guards with inductor's code.
 Loading a file skips dynamo's trace, which a cache of inductor's output alone (torch's FX graph and
 AOTAutograd caches) still pays at every start: about ten seconds a graph for SmolLM2 on two cores.
 An entry is a directory keyed by everything the compiled code depends on (the models'
@@ -17,13 +17,13 @@ chose its own (`TORCHINDUCTOR_CACHE_DIR`), torch's cache goes there too (`compil
 it holds the compiled C++ and Triton kernels, which the graph files name but do not carry (without
 it a load builds them again, minutes on CPU), and unlike torch's default under /tmp it survives a
 reboot. All of it is kept within `MAX_BYTES` (least recently used entries go first, then torch's
-cache as a whole); `dflow-rt compile-cache list|clear` shows and empties it.
+cache as a whole); `dflow-rt compile-cache list|clear` shows and empties it. Only on a torch that
+`dflow_rt.compat` knows: elsewhere compiled rounds are not kept.
 """
 
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import shutil
@@ -35,12 +35,13 @@ from pathlib import Path
 
 import torch
 
+from dflow_rt import compat
 from dflow_rt.kernels.cpu import ops as cpu_ops
 from dflow_rt.models import exact_codes
 
 MAX_BYTES = int(os.environ.get("DFLOW_RT_COMPILE_CACHE_BYTES", 2 * 1024**3))
 GRAPH, META, INDUCTOR = ".graph", "entry.json", "inductor"
-SOURCES = ("graphs", "models", "kernels")  # the code the compiled rounds trace
+SOURCES = ("graphs", "models", "kernels", "compat.py")  # the code the compiled rounds trace, and how it compiles
 
 
 def root() -> Path:
@@ -50,8 +51,9 @@ def root() -> Path:
 
 
 def _code_digest() -> str:
-    """Our traced source: a change to the round or the models is a new key (this file, which only
-    stores what they compile to, is not part of it)."""
+    """Our traced source and how it is compiled (`dflow_rt.compat`'s settings): a change to the round,
+    the models or those is a new key (this file, which only stores what they compile to, is not part
+    of it)."""
     pkg, h = Path(__file__).resolve().parent.parent, hashlib.sha256()
     for name in SOURCES:
         path = pkg / name
@@ -142,7 +144,7 @@ class Entry:
             self._drop(name, "does not match its checksum")
             return None
         try:
-            fn = torch.compiler.load_compiled_function(io.BytesIO(blob), external_data=external)
+            fn = compat.deserialize(blob, external)
         except Exception as err:  # noqa: BLE001  (torch refused the bytes: whatever the reason, rebuild)
             self._drop(name, f"was refused by torch ({type(err).__name__}: {str(err)[:200]})")
             return None
@@ -160,7 +162,7 @@ class Entry:
         written whole or not at all. Two processes filling one entry at once may list only one
         writer's graphs: the others are compiled again later, never trusted unlisted."""
         self.dir.mkdir(parents=True, exist_ok=True)
-        blob = type(fn).serialize(fn, external).serialized_data
+        blob = compat.serialize(fn, external)
         _write(self.dir / (name + GRAPH), blob)
         meta = self._meta() or {"created": time.strftime("%Y-%m-%d %H:%M:%S"), "key": self.what, "graphs": {}}
         meta["graphs"][name] = {"sha256": hashlib.sha256(blob).hexdigest(), "bytes": len(blob)}

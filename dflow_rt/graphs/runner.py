@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from dflow_rt import compat
 from dflow_rt.graphs import compile_cache
 from dflow_rt.graphs.batched_round import decode_round
 from dflow_rt.graphs.plan import RoundPlan
@@ -33,12 +34,18 @@ def build_rounds(target, drafter, state: DecodeState, plan: RoundPlan,
     or constant where the plan has one static length (`compiled_graphs`, from `cache` where given);
     each runs here at its shortest and longest length (no row is live yet, so these runs change no
     request): no step ever compiles (tested over lengths in between). Weights are graph inputs, not
-    constants, unless `plan.freeze` (`compiling`).
+    constants, unless `plan.freeze` (`compiling`). Compiled CPU rounds run eager where inductor has
+    no C++ compiler to build them with (`compat.cpp_compiler`; said once).
     """
+    mode = plan.mode
+    if mode == "compile" and plan.compiler == "inductor" and state.tokens.device.type == "cpu" \
+            and compat.cpp_compiler() is None:
+        compat.say_no_compiler()
+        mode = "eager"
     views = {(n, L): state.view(n, L) for n in plan.rows for L in plan.lengths}
     graphs = {(n, g, k, lu): functools.partial(decode_round, target, drafter, plan=plan, width=k, greedy=g, lookup=lu)
               for n, g, k, lu in plan.graphs(greedy_variants(plan.mode, plan.sampling))}
-    if plan.mode != "eager":
+    if mode != "eager":
         cpu_ops.enabled()  # built or loaded now: a trace never builds it
         with compiling(plan.compiler, state.tokens.device, plan.freeze):
             graphs = compiled_graphs(target, drafter, state, plan, views, list(graphs), cache)
@@ -47,10 +54,10 @@ def build_rounds(target, drafter, state: DecodeState, plan: RoundPlan,
     if before is not None:  # each bucket planned before its first run (compiling or capturing)
         for n, L, *_ in rounds:
             before(n, L)
-    with compiling(plan.compiler, state.tokens.device, plan.freeze):
-        if plan.mode == "cudagraph":
+    with compiling(plan.compiler, state.tokens.device, plan.freeze) if mode != "eager" else contextlib.nullcontext():
+        if mode == "cudagraph":
             rounds = capture_cuda_graphs(rounds)
-        elif plan.mode == "compile":  # each graph at its shortest and longest bucket: compiled (or loaded)
+        elif mode == "compile":  # each graph at its shortest and longest bucket: compiled (or loaded)
             for key, run in rounds.items():  # and its guards checked at both ends
                 if key[1] in (plan.lengths[0], plan.lengths[-1]):
                     run()
@@ -69,9 +76,10 @@ def compiled_graphs(target, drafter, state: DecodeState, plan: RoundPlan, views:
     of its row count. With `cache`, each is loaded from it, or compiled ahead of time and saved there.
     Without, or where ahead-of-time compilation fails, one `torch.compile` of the round serves every
     graph, compiling each on its first call: `views` are then marked, whereas a graph compiled ahead
-    of time is traced from a view of its own (its guards, once saved, reject a marked view)."""
-    found = {}
-    if cache is not None:
+    of time is traced from a view of its own (its guards, once saved, reject a marked view). On a
+    torch `compat` does not know, `cache` is not used: every graph is the one `torch.compile`'s."""
+    found, known = {}, compat.known()  # (said once where it is not)
+    if cache is not None and known:
         models = (target, drafter)
         external = {name: m for name, m in (("target", target), ("drafter", drafter)) if m is not None}
         for n, g, k, lu in graphs:
@@ -108,8 +116,7 @@ def _cached_graph(cache: compile_cache.Entry, name: str, models: tuple, kwargs: 
     try:
         mark_length_dynamic(example, kwargs["plan"])
         with _without_grads(*models):
-            fn = torch.compile(decode_round, fullgraph=True, dynamic=False,
-                               backend=kwargs["plan"].compiler).aot_compile(((*models, example), kwargs))
+            fn = compat.aot_compile(decode_round, kwargs["plan"].compiler, (*models, example), kwargs)
         failed = _guard_failure(fn, models, ends, kwargs)
         if failed:
             raise RuntimeError(f"its guards reject this Runtime's state ({failed})")
@@ -142,9 +149,9 @@ def _without_grads(*models) -> Iterator[None]:
 def _guard_failure(fn, models: tuple, ends: tuple[DecodeState, ...], kwargs: dict) -> str:
     """Why the guards of compiled graph `fn` reject a call at either end, or "" when they accept both."""
     for view in ends:
-        if not fn.guard_check(*models, view, **kwargs):
-            f_locals = fn.prepare_f_locals(*models, view, **kwargs)
-            return str(fn._artifacts.guard_manager.check_verbose(f_locals).verbose_code_parts)[:300]
+        failed = compat.guard_failure(fn, (*models, view), kwargs)
+        if failed:
+            return failed
     return ""
 
 
@@ -154,7 +161,7 @@ def skip_guard_checks(rounds: dict[Bucket, Callable[[], None]]) -> None:
     flags that were checked when the graph was loaded. What can still change under a Runtime (its
     models, torch's global flags) is checked by `guard_failure` when a request is admitted."""
     for run in filter(None, map(_ahead_of_time, rounds.values())):
-        run.func.disable_guard_check()
+        compat.skip_guard_checks(run.func)
 
 
 def guard_failure(rounds: dict[Bucket, Callable[[], None]]) -> str:
@@ -172,15 +179,14 @@ def _ahead_of_time(run: Callable[[], None]) -> functools.partial | None:
     time with its arguments bound (target, drafter, view; the graph's settings), else None."""
     if isinstance(run, functools.partial) and run.func is _planned:
         run = run.args[-1]
-    return run if isinstance(run, functools.partial) and hasattr(run.func, "disable_guard_check") else None
+    return run if isinstance(run, functools.partial) and compat.is_ahead_of_time(run.func) else None
 
 
 def _lazy_round(target, drafter, plan: RoundPlan, graphs: int) -> Callable:
-    """The round under `torch.compile`, compiling each graph on its first call."""
-    cfg = torch._dynamo.config  # every Runtime adds its graphs (two lengths each) to the round's code object
-    cfg.recompile_limit += 2 * graphs
-    cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, cfg.recompile_limit)
-    return compile_static(functools.partial(decode_round, target, drafter, plan=plan), plan.compiler)
+    """The round under `torch.compile`, compiling each of its `graphs` on its first call: two
+    lengths each at most (the shortest and longest bucket), beside dynamo's default allowance."""
+    return compile_static(functools.partial(decode_round, target, drafter, plan=plan), plan.compiler,
+                          recompiles=2 * graphs + 8)
 
 
 def _planned(before: Callable[[int, int], None], key: tuple[int, int], run: Callable[[], None]) -> None:
@@ -197,13 +203,15 @@ def greedy_variants(mode: str, sampling: bool) -> tuple[bool, ...]:
     return (False,) if mode == "cudagraph" else (False, True)
 
 
-def compile_static(fn: Callable, compiler: str = "inductor") -> Callable:
+def compile_static(fn: Callable, compiler: str = "inductor", recompiles: int = 8) -> Callable:
     """`fn` compiled whole by torch.compile's backend `compiler` at fixed shapes (bar lengths marked
-    dynamic) on its first call."""
-    return torch.compile(fn, fullgraph=True, dynamic=False, backend=compiler)
+    dynamic) on its first call, `recompiles` graphs at most (its own, not shared with other compiled
+    functions of the same code: `compat.compile_function`)."""
+    return compat.compile_function(fn, compiler, recompiles)
 
 
-def compiling(compiler: str, device: torch.device, freeze: bool = False) -> contextlib.AbstractContextManager:
+@contextlib.contextmanager
+def compiling(compiler: str, device: torch.device, freeze: bool = False) -> Iterator[None]:
     """Where compiled rounds run first (and so compile). On CPU inductor's wrapper around the
     kernels is C++, which saves about a millisecond of Python per round. `freeze` folds the
     weights into the graph as constants (prepacked for the CPU GEMM library, projections of one
@@ -212,13 +220,12 @@ def compiling(compiler: str, device: torch.device, freeze: bool = False) -> cont
     CPU (docs/RESULTS.md, "Compiled start"). Frozen on CPU, each product also tries inductor's C++
     GEMM templates against the GEMM library and keeps the faster: at batch 1 the template streams
     the weights at about the machine's read bandwidth, the library at about half of it
-    (`bench/cpu_gemv.py`)."""
-    if compiler != "inductor":
-        return contextlib.nullcontext()
-    cpu = device.type == "cpu"
-    templates = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"} if freeze and cpu else {}
-    return torch._inductor.config.patch({"freezing": freeze, "cpp_wrapper": cpu, "cpp.enable_concat_linear": cpu,
-                                         **templates})
+    (`bench/cpu_gemv.py`). Dynamo's process-wide cap on one function's graphs is lifted within
+    (`compat.compiling`): every Runtime compiles the same round function."""
+    settings = compat.inductor_settings(device.type == "cpu", freeze) if compiler == "inductor" \
+        else contextlib.nullcontext()
+    with compat.compiling(), settings:
+        yield
 
 
 def mark_length_dynamic(view: DecodeState, plan: RoundPlan) -> None:
@@ -227,7 +234,7 @@ def mark_length_dynamic(view: DecodeState, plan: RoundPlan) -> None:
     if plan.static_length:
         return
     for t in view.caches():
-        torch._dynamo.mark_dynamic(t, 2)
+        compat.mark_dynamic(t, 2)
 
 
 def capture_cuda_graphs(rounds: dict[Bucket, Callable[[], None]]) -> dict[Bucket, Callable[[], None]]:

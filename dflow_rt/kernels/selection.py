@@ -36,7 +36,7 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def resolve(op: str, requested: str, device: torch.device | str) -> str:
+def implementation_for(op: str, requested: str, device: torch.device | str) -> str:
     """The implementation that serves `op` on `device` when `requested` ("auto" or an implementation).
 
     auto: flashinfer for the attention on CUDA when it imports, else triton on CUDA when it
@@ -101,7 +101,7 @@ def select(spec: str | Mapping[str, str] = "auto", device: torch.device | str = 
         if unknown:
             raise InputError(f"kernel ops must be among {', '.join(OPS)}, got {sorted(unknown)}")
         requested = {op: spec.get(op, "auto") for op in OPS}
-    chosen = {op: resolve(op, requested[op], device) for op in OPS}
+    chosen = {op: implementation_for(op, requested[op], device) for op in OPS}
     return Kernels(chosen, **{op: load(op, name) for op, name in chosen.items()})
 
 

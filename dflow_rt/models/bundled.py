@@ -21,9 +21,10 @@ def target_dir(spec: str | None) -> Path:
         return ASSETS / "target"
     if spec in REGISTRY:
         path = model_dir(spec)
-        if manifest(path) is None:
-            raise InputError(f"the {spec} target is not in {path.parent}: run `dflow-rt fetch-model {spec}` "
-                             f"first (or pass its directory to --target)")
+        if manifest(path) is None:  # first use: fetched once (pip's progress bar), as `dflow-rt fetch-model` does
+            from dflow_rt.models.fetch import fetch_model
+
+            fetch_model(spec)
         return path
     return Path(spec)
 

@@ -16,6 +16,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from dflow_rt.errors import CheckpointError
+from dflow_rt.models import exact_codes
 from dflow_rt.models.bounds import MAX_JSON_BYTES, bound, check_parameters, regular_file
 from dflow_rt.models.draft_vocab import load_draft_vocab, save_draft_vocab
 from dflow_rt.models.drafter import RELAY_INPUTS, Drafter, DrafterConfig, build_target_layer_ids
@@ -138,11 +139,14 @@ def read_safetensors(file: Path) -> dict[str, torch.Tensor]:
         raise CheckpointError(file, f"{problem}, not a valid safetensors file ({err})") from None
 
 
-def load_weights(cls: type, config, directory: Path, dtype: torch.dtype | None, skip: tuple[str, ...] = ()):
+@torch.inference_mode(False)  # parameters are ordinary tensors (with versions) even when loaded in inference mode
+def load_weights(cls: type, config, directory: Path, dtype: torch.dtype | None, skip: tuple[str, ...] = (),
+                 coded: bool = False):
     """Build `cls(config)` from the directory's safetensors after checking every name and shape.
 
     The module is built on the meta device and the checked tensors are assigned in, so a large
-    model is never initialised at random first, nor returned half-filled.
+    model is never initialised at random first, nor returned half-filled. With `coded`, every
+    float32 matrix with exact codes is held as them (`_hold_coded`).
     """
     files = weight_files(directory)
     index = directory / INDEX
@@ -170,9 +174,41 @@ def load_weights(cls: type, config, directory: Path, dtype: torch.dtype | None, 
     extra = sorted(set(tensors) - set(expected) - set(skip))
     if extra:
         raise CheckpointError(origin[extra[0]], f"unexpected tensor '{extra[0]}' ({len(extra)} in all)")
+    codes = _hold_coded(tensors, origin, dtype) if coded else {}
     module.load_state_dict({k: tensors[k].to(dtype or tensors[k].dtype) for k in expected}, strict=False,
                            assign=True)
+    for name, c in codes.items():
+        owner = module.get_submodule(name.removesuffix(".weight"))
+        owner.codes = c._replace(ptr=owner.weight.data_ptr(), version=owner.weight._version)
     return module
+
+
+def _hold_coded(tensors: dict[str, torch.Tensor], origin: dict[str, Path], dtype: torch.dtype | None) -> dict:
+    """Exact codes of each float32 matrix of `tensors` that has some (`exact_codes.encode`), its tensor
+    replaced by a held one (`exact_codes.placeholder`). Each is read from its file on its own, not
+    through the file's mapping (whose pages, once read, stay resident while any tensor of the file
+    lives): at most one float32 matrix is resident at a time."""
+    out = {}
+    headers: dict[Path, tuple[int, dict]] = {}
+    for name, t in tensors.items():
+        if not name.endswith(".weight") or t.dim() != 2 or t.dtype != torch.float32 or (dtype or t.dtype) != t.dtype:
+            continue
+        file = origin[name]
+        if file not in headers:
+            with open(file, "rb") as f:
+                size = int.from_bytes(f.read(8), "little")
+                headers[file] = 8 + size, json.loads(f.read(size))
+        start, header = headers[file]
+        begin, end = header[name]["data_offsets"]
+        own = torch.empty(t.shape, dtype=t.dtype)
+        with open(file, "rb") as f:
+            f.seek(start + begin)
+            if f.readinto(memoryview(own.numpy()).cast("B")) != end - begin:
+                raise CheckpointError(file, f"tensor '{name}' is truncated")
+        codes = exact_codes.encode(own)
+        if codes is not None:
+            out[name], tensors[name] = codes, exact_codes.placeholder(own)
+    return out
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
@@ -203,11 +239,19 @@ def load_target(directory: str | Path, dtype: torch.dtype | None = None,
     path, cfg = read_config(directory)
     config = target_config(cfg, path)
     skip = ("lm_head.weight",) if config.tie_word_embeddings else ()
-    model = load_weights(Target, config, directory, dtype or default_dtype(device), skip)
+    dtype = dtype or default_dtype(device)
+    # a CPU float32 target is held as its exact codes where it has them (`dflow_rt.models.exact_codes`),
+    # coded one weight at a time as it loads: the whole float32 model is never resident
+    coded = device.type == "cpu" and dtype == torch.float32 and exact_codes.enabled()
+    model = load_weights(Target, config, directory, dtype, skip, coded)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.source = directory
-    return model.to(device).eval()
+    model = model.to(device).eval()
+    if coded:
+        exact_codes.attach(model)  # the tied head shares its table's codes; projections stacked
+        exact_codes.trim()  # the float32 read buffers, freed inside the C heap, back to the system
+    return model
 
 
 def drafter_config(cfg: dict, path: object) -> DrafterConfig:

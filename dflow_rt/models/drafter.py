@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import nn
 
-from dflow_rt.kernels.cpu.ops import Linear, linear
+from dflow_rt.kernels.cpu.ops import Linear, embedding, linear
 from dflow_rt.models.layers import CachedPass, DecoderLayer, KVCache, RMSNorm, Rotary
 from dflow_rt.models.relay import Relay, RelayBuffer, relay_keys, relay_mask, shift_to_slots
 
@@ -107,7 +107,9 @@ class Drafter(nn.Module):
             return
         weight = target.lm_head.weight
         self.vocab_ids = ids.to(weight.device)
-        self.vocab_head = weight.detach()[self.vocab_ids].contiguous()
+        with torch.no_grad():  # the head's rows (decoded where it is held as its codes)
+            rows = embedding(self.vocab_ids, weight, getattr(target.lm_head, "codes", None))
+        self.vocab_head = rows.detach().contiguous()
         self.vocab_codes = None
 
     def token_ids(self, columns: torch.Tensor) -> torch.Tensor:

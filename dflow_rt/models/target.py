@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from dflow_rt.kernels.cpu.ops import Linear
+from dflow_rt.kernels.cpu.ops import Embedding, Linear
 from dflow_rt.models.layers import CachedPass, DecoderLayer, KVCache, RMSNorm, Rotary
 
 ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}
@@ -56,7 +56,7 @@ class Target(nn.Module):
         super().__init__()
         c = self.config = config
         self.model = nn.Module()
-        self.model.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.model.embed_tokens = Embedding(c.vocab_size, c.hidden_size)  # rows from codes, where held as them
         self.model.layers = nn.ModuleList(
             DecoderLayer(c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads,
                          c.head_dim, c.rms_norm_eps, c.qk_norm, c.attention_bias, c.mlp_bias)

@@ -267,7 +267,7 @@ def train_drafter(kind: str, target_dir: str | Path, data: str | Path, out: str 
     d = loop.init_distributed(run.device)
     dev = loop.local_device(run.device)
     threads = run.set_threads(d)
-    settings, state = loop.resolve_settings(DFLASH_DEFAULTS if kind == "dflash" else DFLOW_DEFAULTS, given, out,
+    settings, state = loop.run_settings(DFLASH_DEFAULTS if kind == "dflash" else DFLOW_DEFAULTS, given, out,
                                             run.resume, kind)
     if settings.get("freeze_base"):
         if settings["base_first_round"] or given.get("base_lr_scale") not in (None, 0):

@@ -142,7 +142,7 @@ class RunOptions:
                           log_every=self.log_every, run_steps=self.run_steps)
 
 
-def resolve_settings(defaults: dict, given: dict, out: Path, resume: bool, kind: str | None = None
+def run_settings(defaults: dict, given: dict, out: Path, resume: bool, kind: str | None = None
                      ) -> tuple[dict, dict | None]:
     """A run's settings: `defaults` + `given` (the CLI's, None = not given) for a new run; the
     checkpoint's for a resumed one, where an explicit conflicting value is an error (silently

@@ -112,7 +112,7 @@ def train_target(tokenizer_dir: str | Path, out: str | Path, run: loop.RunOption
     d = loop.init_distributed()
     threads = run.set_threads(d)
     os.environ.setdefault("RAYON_NUM_THREADS", str(threads))  # the tokenizer's pool, created on first use
-    settings, state = loop.resolve_settings(TARGET_DEFAULTS, given, out, run.resume)
+    settings, state = loop.run_settings(TARGET_DEFAULTS, given, out, run.resume)
     global_batch = state["run"]["global_batch"] if state else run.batch * d.world
     digest = tokenizer_digest(tokenizer_dir)
     if state and state["run"]["tokenizer_sha256"] != digest:

@@ -3,7 +3,7 @@
 // At 1-16 rows a product is mostly a read of w: each block of rows of w comes from memory once and
 // is dotted with every row of x from L1. A block of several rows is prefetched while the block before
 // it is used; a decode step on AVX-512 streams one row at a time (bench/cpu_gemv.py has the rates
-// against the GEMM library, bench/gemv_tiles.py the tile shapes). Every
+// against the GEMM library, docs/experiments.md the tile shapes). Every
 // output element is summed in one fixed order (one lane per k modulo the vector width, then a fixed
 // tree), independent of the row count and the thread split: a row's result is bit-identical in a
 // 1-row step and in a 4-row verify pass.
@@ -54,7 +54,7 @@ inline void block(const float* x, const float* w, float* y, int64_t M, int64_t K
 
 // Blocks of RW rows of w split over threads; the last N % RW rows one at a time. A block of several
 // rows prefetches the next; a single row of w at a time is one sequential stream, which the hardware
-// prefetcher follows best alone (bench/gemv_tiles.py).
+// prefetcher follows best alone (docs/experiments.md, "GEMV tiles").
 template <int RX, int RW>
 void product(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N) {
   const int64_t blocks = N / RW;
@@ -73,7 +73,7 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w) {
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  // Tile shapes (rows of x by rows of w) from bench/cpu_gemv.py and bench/gemv_tiles.py; any shape
+  // Tile shapes (rows of x by rows of w) from bench/cpu_gemv.py and docs/experiments.md; any shape
   // sums an element alike.
 #if defined(__AVX512F__)
   if (M == 1) product<1, 1>(xp, wp, yp, M, K, N);
@@ -98,7 +98,7 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w) {
 // stream (bench/exact_codes.py). The first tile over a group also prefetches the stream kAhead bytes
 // ahead: on an AMX Xeon the hardware prefetcher alone left a step's products at a third of the read
 // bandwidth, and 2 KB ahead made them 1.3-1.5x (1 row) and 1.6-1.85x (2-4 rows) faster (docs/experiments.md).
-#ifndef DFLOW_RT_CODES_AHEAD  // bench/codes_ahead.py builds other distances
+#ifndef DFLOW_RT_CODES_AHEAD  // other distances: docs/experiments.md, "codes ahead"
 #define DFLOW_RT_CODES_AHEAD 2048
 #endif
 constexpr int64_t kBlock = 32, kGroup = 4, kAhead = DFLOW_RT_CODES_AHEAD, kLine = 64;

@@ -6,8 +6,15 @@ GEMM library streams them at about half the machine's read bandwidth at 1 row an
 each weight row once for all the rows of x. It is built on first use with the compiler inductor
 uses (tens of seconds, once: the library is kept under the cache directory), used for float32
 products of at most MAX_ROWS rows without autograd on CPUs with AVX-512 or AVX2 (one source, a tile
-per instruction set), and `linear` falls back to `F.linear` everywhere else. DFLOW_RT_CPU_GEMV=0
-turns it off.
+per instruction set), and `linear` falls back to `F.linear` everywhere else.
+
+The library (all of SOURCES) has one build path, `build` (through `dflow_rt.compat.build_library`):
+`enabled` builds it for this CPU, and tests build the other instruction set's code with it. A
+failed build is logged and leaves the kernels off; a process without the C++ compiler skips the
+build and says so in one line (`compat.say_no_compiler`). Debugging override: DFLOW_RT_CPU_GEMV=0
+in the environment keeps the kernels off in a process that could build them (torch's ops serve
+every product, attention and eager pass, as on a CPU without AVX2), e.g. to compare against them;
+DFLOW_RT_EXACT_CODES=0 (`dflow_rt.models.exact_codes`) keeps only the products over weight codes off.
 """
 
 from __future__ import annotations
@@ -24,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflow_rt import compat
+
 log = logging.getLogger("dflow_rt")
 SOURCE = Path(__file__).with_name("gemv.cpp")
 # one library: the products, the cache attention (`dflow_rt.kernels.attention`), the eager passes' small
@@ -36,6 +45,8 @@ FLAGS = ("-O3", "-ffp-contract=off")  # no multiply-add fused behind our back: e
 ISAS = ("AVX512", "AVX2")  # torch's names for the instruction sets the kernel has a tile for
 CODE_KINDS = ("u4", "i8", "b16")
 CODE_GROUP = 4  # rows of a weight stored together in its codes (`kGroup` in kernels/cpu/gemv.cpp)
+CODE_BLOCK = 32  # values of a row per block of codes (`kBlock`)
+CODE_RECORD = {"u4": CODE_GROUP * (8 + 16), "i8": CODE_GROUP * (4 + 32), "b16": CODE_GROUP * 64}  # bytes a block
 _ready: bool | None = None  # None: not tried yet in this process
 
 
@@ -52,6 +63,9 @@ def enabled() -> bool:
 def _load() -> bool:
     isa = torch.backends.cpu.get_cpu_capability()
     if os.environ.get("DFLOW_RT_CPU_GEMV", "1") == "0" or isa not in ISAS:
+        return False
+    if compat.cpp_compiler() is None:  # one line for the process, not a failed build's
+        compat.say_no_compiler()
         return False
     from dflow_rt.paths import cache_root
 
@@ -71,17 +85,18 @@ def _load() -> bool:
     return True
 
 
-def _build(out: Path, library: Path) -> None:
-    from torch._inductor.cpp_builder import CppBuilder, CppTorchOptions
-    from torch._inductor.cpu_vec_isa import pick_vec_isa
+def build(name: str, sources: Sequence[Path], output_dir: Path, isa: str | None = None) -> Path:
+    """The kernels' one build: the shared library `name` from `sources` with FLAGS under `output_dir`,
+    for instruction set `isa` (one of ISAS; None: the best this CPU runs). Returns its path."""
+    return compat.build_library(name, sources, output_dir, FLAGS, isa)
 
+
+def _build(out: Path, library: Path) -> None:
     tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
     tmp.mkdir(parents=True, exist_ok=True)
-    options = CppTorchOptions(vec_isa=pick_vec_isa(), include_pytorch=True, shared=True, extra_flags=FLAGS)
-    builder = CppBuilder(name="cpu_gemv", sources=[str(f) for f in SOURCES], BuildOption=options, output_dir=str(tmp))
-    builder.build()
+    built = build("cpu_gemv", SOURCES, tmp)
     out.mkdir(parents=True, exist_ok=True)
-    os.replace(builder.get_target_file_path(), library)  # atomic: a concurrent builder finds a whole library or none
+    os.replace(built, library)  # atomic: a concurrent builder finds a whole library or none
     shutil.rmtree(tmp, ignore_errors=True)
     _prune(out)
 
@@ -101,6 +116,10 @@ for _kind in CODE_KINDS:  # products over, and values of, weights in exact codes
     _library.define(f"decode_{_kind}(Tensor codes) -> Tensor")
     torch.library.register_fake(f"dflow_rt::gemv_{_kind}",
                                 lambda x, codes: x.new_empty(x.shape[0], codes.shape[0] * CODE_GROUP))
+    torch.library.register_fake(f"dflow_rt::decode_{_kind}",
+                                lambda codes, record=CODE_RECORD[_kind]: codes.new_empty(
+                                    codes.shape[0] * CODE_GROUP, codes.shape[1] // record * CODE_BLOCK,
+                                    dtype=torch.float32))
 
 
 # Flexible layout: the kernel reads k and v through their strides, so the compiled graph hands it the
@@ -132,6 +151,14 @@ class Codes(NamedTuple):
     kind: str  # one of CODE_KINDS
     codes: torch.Tensor  # uint8 [N / CODE_GROUP, bytes]: each block's scales and codes (kernels/cpu/gemv.cpp)
     version: int  # the weight's `_version` when it was coded: a weight changed since is no longer served
+    ptr: int = 0  # the weight's `data_ptr()` then: a weight given other data since is no longer served either
+
+
+def held(weight: torch.Tensor) -> bool:
+    """Whether `weight` is held as its codes: its float32 storage released (`exact_codes.attach`), what
+    is left one value (NaN) seen through zero strides, with the weight's shape, dtype and device. Its
+    values are the codes' (`values`); it cannot be written in place."""
+    return weight.numel() > 1 and not any(weight.stride())
 
 
 def _served(x: torch.Tensor, weight: torch.Tensor) -> int:
@@ -145,24 +172,51 @@ def _served(x: torch.Tensor, weight: torch.Tensor) -> int:
 
 def _current(codes: Codes | None, weight: torch.Tensor) -> bool:
     """Whether `codes` stand for `weight` as it is (compiled rounds rely on the Runtime's check)."""
-    return codes is not None and (torch.compiler.is_compiling() or codes.version == weight._version)
+    return codes is not None and (torch.compiler.is_compiling() or (
+        codes.version == weight._version and codes.ptr in (0, weight.data_ptr())))
 
 
 def _coded_product(x: torch.Tensor, codes: Codes) -> torch.Tensor:
     return getattr(torch.ops.dflow_rt, f"gemv_{codes.kind}")(x, codes.codes)
 
 
+def decode(codes: Codes) -> torch.Tensor:
+    """The float32 weight `codes` stand for, rebuilt by the kernel exactly as its products rebuild it."""
+    return getattr(torch.ops.dflow_rt, f"decode_{codes.kind}")(codes.codes)
+
+
+def values(weight: torch.Tensor, codes: Codes | None) -> torch.Tensor:
+    """`weight`'s float32 values: decoded from `codes` (a new tensor each call) where the weight is
+    `held` as them, else the weight itself."""
+    if codes is not None and held(weight) and _current(codes, weight):
+        return decode(codes)
+    return weight
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            codes: Codes | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)`, through the kernel where it serves (see the module docstring),
-    streaming `codes` instead of `weight` where the weight has them and has not changed since."""
+    streaming `codes` instead of `weight` where the weight has them and has not changed since. A
+    product the kernel does not serve (prefill's many rows, autograd) over a weight `held` as its
+    codes multiplies by its decoded values: the same float32 weight, bit for bit."""
     rows = _served(x, weight)
     if not rows:
-        return F.linear(x, weight, bias)
+        return F.linear(x, values(weight, codes), bias)
     flat = x.reshape(rows, x.shape[-1]).contiguous()
     y = _coded_product(flat, codes) if _current(codes, weight) else torch.ops.dflow_rt.gemv(flat, weight.contiguous())
     y = y.reshape(*x.shape[:-1], weight.shape[0])
     return y if bias is None else y + bias
+
+
+def embedding(ids: torch.Tensor, weight: torch.Tensor, codes: Codes | None = None) -> torch.Tensor:
+    """`F.embedding(ids, weight)`; where the weight is `held` as its codes, the rows of `ids` decoded
+    from them (each id's group of CODE_GROUP rows, then its row): the same values, bit for bit."""
+    if codes is None or not held(weight) or not _current(codes, weight):
+        return F.embedding(ids, weight)
+    flat = ids.reshape(-1)
+    rows = getattr(torch.ops.dflow_rt, f"decode_{codes.kind}")(codes.codes[flat // CODE_GROUP].contiguous())
+    picked = rows.view(flat.numel(), CODE_GROUP, -1)[torch.arange(flat.numel(), device=ids.device), flat % CODE_GROUP]
+    return picked.reshape(*ids.shape, weight.shape[1])
 
 
 def linear_parts(x: torch.Tensor, layers: Sequence[Linear], merged: Codes | None) -> list[torch.Tensor]:
@@ -190,11 +244,38 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * F.rms_norm(x, weight.shape, None, eps)
 
 
-class Linear(nn.Linear):
-    """`nn.Linear` (same parameters and state dict) whose products go through `linear`, from the
-    weight's exact codes once `exact_codes.attach` gave it some."""
+class _Coded:
+    """What `Linear` and `Embedding` share: `codes` once `exact_codes.attach` gave the weight some; a
+    state dict with the weight's float32 values where it is `held` as them (`save_model` writes
+    those); loading one into a held weight gives it float32 storage again first."""
 
     codes: Codes | None = None
 
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if not keep_vars and held(self.weight):
+            destination[prefix + "weight"] = values(self.weight, self.codes).detach()
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        if held(self.weight) and prefix + "weight" in state_dict:
+            self.weight.data = torch.empty(self.weight.shape, dtype=self.weight.dtype, device=self.weight.device)
+            self.codes = None
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+
+class Linear(_Coded, nn.Linear):
+    """`nn.Linear` (same parameters and state dict) whose products go through `linear`, from the
+    weight's exact codes once `exact_codes.attach` gave it some."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.codes)
+
+
+class Embedding(_Coded, nn.Embedding):
+    """`nn.Embedding` (same parameters and state dict) whose rows come from the weight's codes where
+    it is `held` as them (a tied head's table: the head's codes)."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.codes is None:
+            return super().forward(ids)
+        return embedding(ids, self.weight, self.codes)

@@ -9,9 +9,9 @@ import pytest
 import dflow_rt
 import dflow_rt.oracle
 from dflow_rt.config import RuntimeConfig
-from dflow_rt.engine.policy import FIRST_RETRY, LONGEST_RETRY, PROBE, RECHECK, ArFallback
+from dflow_rt.engine.policy import FIRST_RETRY, LONGEST_RETRY, PROBE, RECHECK, RoundPolicy
 from dflow_rt.engine.runtime import Runtime
-from tests.helpers import fixed, random_relay
+from tests.helpers import fixed, random_relay, scheduled_runtime
 from tests.test_runtime import CASES, record_buckets
 
 
@@ -19,7 +19,7 @@ def choices(widths: tuple[int, ...], rounds: int, seconds: dict[int, float], acc
     """The widths a fallback over `widths` runs for `rounds` rounds of one bucket whose rounds at
     width w take `seconds[w]` and whose block at round i has `accepted(i)` drafts the target accepts
     (so a round at width w emits min(accepted(i) + 1, w) tokens)."""
-    policy, out = ArFallback({1: widths}), []
+    policy, out = RoundPolicy({1: widths}), []
     for i in range(rounds):
         w = policy.width(1)
         policy.record(1, w, seconds[w], [min(accepted(i) + 1, w)])
@@ -101,22 +101,11 @@ def test_a_wider_width_is_taken_up_at_the_next_probe_when_the_text_gets_easier()
     assert up <= 500 + RECHECK + 4 * PROBE and kinds[up + 20:].count(4) > 0.97 * len(kinds[up + 20:])
 
 
-def _fallback_runtime(target, drafter, schedule, **settings) -> Runtime:
-    """A Runtime with the fallback whose width follows `schedule(round, widths)` instead of timings
-    (`widths`: the bucket's, ascending: 1, half the block rounded up, the block); width 1 a plain step
-    unless `lookup=True` is among `settings` (`tests/test_lookup.py`)."""
-    rt = Runtime(target, drafter, RuntimeConfig(max_batch=2, max_len=160, mode="eager", verify_width=None,
-                                                ar_fallback=True, **{"lookup": False, **settings}))
-    rounds = iter(range(10**6))
-    rt.fallback.width = lambda rows: schedule(next(rounds), rt.plan.round_widths(rows))
-    return rt
-
-
 @pytest.mark.parametrize("relay", [False, True], ids=["dflash", "dflow"])
 def test_plain_steps_between_drafted_rounds_are_lossless(reference_pair, relay):
     target, drafter = reference_pair
     drafter = random_relay(drafter, seed=1) if relay else drafter
-    rt = _fallback_runtime(target, drafter, lambda i, widths: widths[i % 5 % len(widths)], emit_mask_token=True)
+    rt = scheduled_runtime(target, drafter, lambda i, widths: widths[i % 5 % len(widths)], emit_mask_token=True)
     used = record_buckets(rt)
     prompts = [c["prompt_ids"] for c in CASES[:3]]
     outs = rt.generate(prompts, max_new_tokens=48)
@@ -131,7 +120,7 @@ def test_plain_steps_keep_the_drafters_context(reference_pair):
     those m tokens accepts: the plain steps wrote every committed token's features to the drafter."""
     target, drafter = reference_pair
     prompt, m = CASES[0]["prompt_ids"], 7
-    rt = _fallback_runtime(target, drafter, lambda i, widths: widths[-1] if i >= m else 1, emit_mask_token=True)
+    rt = scheduled_runtime(target, drafter, lambda i, widths: widths[-1] if i >= m else 1, emit_mask_token=True)
     rid = rt.add_request(prompt, max_new_tokens=40)
     while not rt.is_finished(rid):
         rt.step()
@@ -154,23 +143,23 @@ def test_compiled_rounds_have_every_width_of_the_choice_per_bucket(reference_pai
                                                 ar_fallback=True))
     assert {key[3] for key in rt.rounds} == {1, 2, 4} and rt.plan.ar_fallback
     rounds = iter(range(10**6))
-    rt.fallback.width = lambda rows: (1, 4, 2, 4)[next(rounds) % 4]
+    rt.policy.width = lambda rows: (1, 4, 2, 4)[next(rounds) % 4]
     prompts = [c["prompt_ids"] for c in CASES[:2]]
     assert rt.generate(prompts, max_new_tokens=40) == [c["output_ids"][:40] for c in CASES[:2]]
     off = Runtime(target, drafter, RuntimeConfig(max_batch=2, max_len=160, mode="eager", verify_width=2))
-    assert off.fallback is None and {key[3] for key in off.rounds} == {2}
+    assert off.policy is None and {key[3] for key in off.rounds} == {2}
 
 
 def test_what_a_policy_learned_carries_over_to_a_new_one():
     """Plain steps won: a policy restored from that state starts with them, and goes on with the same
     retry schedule; a state for other widths, or one that does not parse, leaves a policy as new."""
-    learned = ArFallback({1: (1, 2)})
+    learned = RoundPolicy({1: (1, 2)})
     for i in range(200):
         w = learned.width(1)
         learned.record(1, w, K2[w], [min(int(i % 4 == 0) + 1, w)])
     assert learned.width(1) == 1
     state = json.loads(json.dumps(learned.state()))  # as the file holds it
-    restored = ArFallback({1: (1, 2)})
+    restored = RoundPolicy({1: (1, 2)})
     restored.restore(state)
     assert restored.width(1) == 1 and restored.state() == learned.state()
     for policy in (learned, restored):
@@ -178,8 +167,8 @@ def test_what_a_policy_learned_carries_over_to_a_new_one():
             w = policy.width(1)
             policy.record(1, w, K2[w], [1])
     assert restored.state() == learned.state()
-    for other, bad in ((ArFallback({1: (1, 2, 4)}), state), (ArFallback({1: (1, 2)}), {"1": {"widths": [1, 2]}}),
-                       (ArFallback({1: (1, 2)}), {"1": "x"})):
+    for other, bad in ((RoundPolicy({1: (1, 2, 4)}), state), (RoundPolicy({1: (1, 2)}), {"1": {"widths": [1, 2]}}),
+                       (RoundPolicy({1: (1, 2)}), {"1": "x"})):
         fresh = json.dumps(other.state())
         other.restore(bad)
         assert json.dumps(other.state()) == fresh
@@ -193,16 +182,16 @@ def test_a_runtime_keeps_its_fallbacks_timings_for_the_next(reference_pair):
     assert rt.timings is not None and not rt.timings.path.exists()
     rt.generate([CASES[0]["prompt_ids"]], max_new_tokens=30)
     first = json.loads(rt.timings.path.read_text())  # the first request's end writes at once
-    assert first["greedy"] == rt.fallback.state()
+    assert first["greedy"] == rt.policy.state()
     rt.timings.SAVE_EVERY = 0.0  # later ones at most every few seconds: here every time
     rt.generate([CASES[1]["prompt_ids"]], max_new_tokens=30, temperature=0.7, seed=1)
     kept = json.loads(rt.timings.path.read_text())
-    assert kept == {"greedy": rt.fallback.state(), "sampled": rt.sampled_fallback.state()}
-    assert kept["greedy"]["1"]["seconds"] and kept["greedy"] != ArFallback({1: rt.plan.round_widths(1)}).state()
+    assert kept == {"greedy": rt.policy.state(), "sampled": rt.sampled_policy.state()}
+    assert kept["greedy"]["1"]["seconds"] and kept["greedy"] != RoundPolicy({1: rt.plan.round_widths(1)}).state()
     again = Runtime(target, drafter, config)
-    assert again.timings.path == rt.timings.path and again.fallback.state() == kept["greedy"]
-    assert again.sampled_fallback.state() == kept["sampled"]
+    assert again.timings.path == rt.timings.path and again.policy.state() == kept["greedy"]
+    assert again.sampled_policy.state() == kept["sampled"]
     other = Runtime(target, random_relay(drafter, seed=2), config)  # another drafter accepts otherwise
     assert other.timings.path != rt.timings.path
     off = Runtime(target, drafter, RuntimeConfig(**{**config.__dict__, "keep_timings": False}))
-    assert off.timings is None and off.fallback.state() == ArFallback({1: rt.plan.round_widths(1)}).state()
+    assert off.timings is None and off.policy.state() == RoundPolicy({1: rt.plan.round_widths(1)}).state()
