@@ -74,7 +74,7 @@ stage() {
 }
 python3 bench/gpu_summary.py "$SUMMARY" device
 cuda=$(python3 -c 'import torch; print(int(torch.cuda.is_available()))')
-dr=(python3 -m dflow_rt.commands.main)
+dr=(python3 -m dflow_rt)
 
 if [ "$cuda" = 1 ] && [ -z "${SKIP_CHECKS:-}" ]; then
   stage oracle 150 python3 bench/gpu_runtime_check.py "$OUT/oracle"

@@ -118,7 +118,7 @@ def test_lookup_rounds_serve_greedy_and_sampled_rows_losslessly_and_are_off_on_r
         assert sampled.emitted == run(plain, temperature=0.4, seed=seed).emitted
         looked_up += sampled.lookup_rounds
     assert looked_up > 0
-    off = Runtime(target, drafter, RuntimeConfig(**settings, lookup=False))
+    off = Runtime(target, drafter, RuntimeConfig(**{**settings, "mode": "eager", "lookup": False}))  # same keys
     assert not off.plan.lookup and not any(key[4] for key in off.rounds)
 
 

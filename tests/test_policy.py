@@ -140,7 +140,7 @@ def test_compiled_rounds_have_every_width_of_the_choice_per_bucket(reference_pai
     target, drafter = reference_pair
     rt = Runtime(target, drafter, RuntimeConfig(max_batch=2, batch_buckets=(2,), max_len=160, mode="compile",
                                                 compiler="aot_eager", length_buckets=(64,), verify_width=4,
-                                                ar_fallback=True))
+                                                ar_fallback=True, lookup=False, sampling=False))
     assert {key[3] for key in rt.rounds} == {1, 2, 4} and rt.plan.ar_fallback
     rounds = iter(range(10**6))
     rt.policy.width = lambda rows: (1, 4, 2, 4)[next(rounds) % 4]
