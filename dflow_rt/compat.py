@@ -149,6 +149,12 @@ def skip_guard_checks(fn: Callable) -> None:
     fn.disable_guard_check()
 
 
+def cpu_has_bf16() -> bool:
+    """Whether this CPU runs bfloat16 products natively (AVX512-BF16 or AMX); without, they are
+    emulated. torch answers it only through a private oneDNN op."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 # ------------------------------------------------------------------ building the CPU kernels
 
 

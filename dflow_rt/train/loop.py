@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, load_model, save_file, save_model
 
+from dflow_rt import compat
 from dflow_rt.errors import InputError
 
 CHECKPOINT = "checkpoint"
@@ -62,7 +63,7 @@ def close_distributed(d: Dist) -> None:
 
 def cpu_has_bf16() -> bool:
     """Whether this CPU runs bfloat16 products natively (AVX512-BF16 or AMX); without, they are emulated."""
-    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return compat.cpu_has_bf16()
 
 
 def warn_emulated_bf16(settings: dict, device: torch.device, d: Dist) -> None:
