@@ -2,7 +2,7 @@
 
 1. compile and cudagraph modes emit exactly the eager round's tokens (greedy), on the
    reference fixture pair (which also matches the reference implementation's tokens) and on the
-   bundled target with the bundled DFlow drafter (its relay buffer inside the captured graph),
+   bundled target with the bundled DFlow drafter (its verify record inside the captured graph),
    in float32 (and, for the record, in bf16, where exact agreement is not expected);
 2. with `cudagraph`, `torch.cuda.memory_stats()["allocation.all.allocated"]` does not move
    across 100 `step()` calls after warm-up;

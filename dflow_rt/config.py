@@ -42,10 +42,11 @@ class RuntimeConfig:
     compiled float32 Runtime on CPU whose attention is the C++ kernel (which reads each row's
     keys up to its own position at any length) takes one length by default instead, max_len
     rounded up to a power of two (at least 512), traced as a constant: 6 % off a SmolLM2 step.
-    kernels: which implementation serves each fused op of the round (`dflow_rt.kernels`: attention,
-    sample, commit): "auto" (FlashInfer attention and Triton on CUDA where they import; on CPU the
-    C++ attention and plain torch for the rest), "torch", "triton", "flashinfer" or "cpu" (attention
-    only), or a dict op -> implementation; resolved once at construction.
+    kernels: which implementation serves each op of the round (`dflow_rt.kernels`: attention,
+    sample, commit, and linear, the models' products): "auto" (FlashInfer attention and Triton on
+    CUDA where they import; on CPU the C++ attention and products, plain torch for the rest),
+    "torch", "triton", "flashinfer" (attention only) or "cpu" (attention and linear) for every op it
+    serves, or a dict op -> implementation; resolved once at construction.
     tuned: fill the `auto` fields (and kernels "auto", default length buckets) from what
     `dflow-rt autotune` chose for these models on this device, when it wrote any (`dflow_rt.engine.tuned`;
     the file used is logged); False: DEVICE_DEFAULTS only. Explicit settings always win.
@@ -79,7 +80,7 @@ class RuntimeConfig:
     them in a background process). Default False: a library caller gets compiled rounds or waits.
     sampling: False builds only the rounds in which no request samples (greedy), half the graphs
     a compiled Runtime compiles on its first start; `add_request` then refuses a temperature above 0.
-    memory_limit: construction refuses a state (KV caches, relay buffer, rotary tables) larger
+    memory_limit: construction refuses a state (KV caches, verify record, rotary tables) larger
     than this many bytes, before allocating anything; by default, larger than the free memory
     of the models' device (`dflow_rt.engine.limits`, which also checks every field's type and range).
     """

@@ -70,7 +70,7 @@ def generate(target: Target, drafter: Drafter | None, prompt_ids: Sequence[int] 
     rows = torch.zeros(1, dtype=torch.long, device=device)
     target_cache = target.new_cache(1, length)
     draft_cache = drafter.new_cache(1, length) if B > 1 else None
-    relay = drafter.new_relay_buffer(1, B) if B > 1 else None
+    relay = drafter.new_verify_record(1, B) if B > 1 else None
     arange = torch.arange(length, device=device)[None]
     mask = excluded_token(drafter, config is not None and config.emit_mask_token)
 

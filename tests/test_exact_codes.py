@@ -118,18 +118,23 @@ def test_a_runtime_over_a_coded_target_decodes_exactly_what_plain_decoding_does(
     prompt = [3, 9, 4, 17, 2]
     want = hf_greedy(hf, prompt, 24, suppress=drafter.config.mask_token_id)
     outs = {}
-    for on in ("1", "0"):  # a Runtime with codes off drops the codes an earlier one attached
+    # a Runtime with codes off drops the codes an earlier one attached; one whose products are torch's
+    # ("linear": "torch") also runs none of the C++ ops
+    for on, products in (("1", "auto"), ("0", "auto"), ("1", "torch")):
         monkeypatch.setenv("DFLOW_RT_EXACT_CODES", on)
-        rt = dflow_rt.Runtime(target, drafter, dflow_rt.RuntimeConfig(max_batch=1, max_len=64, mode="eager",
-                                                                      verify_width=4))
-        if on == "1":  # every product of the target coded; the drafter's coded only when bfloat16-valued
+        rt = dflow_rt.Runtime(target, drafter, dflow_rt.RuntimeConfig(
+            max_batch=1, max_len=64, mode="eager", verify_width=4, kernels={"linear": products, "attention": "torch"}))
+        if (on, products) == ("1", "auto"):  # every product of the target coded; the drafter's only when bf16-valued
             assert set(exact_codes.kinds(target)) == {"u4", "i8"}
             assert set(exact_codes.kinds(drafter)) - {"i8"} == ({"float32"} if tied else {"b16"})
             assert 0 < rt.exact_codes["coded"] < rt.exact_codes["float32"] / 3
         else:
             assert rt.exact_codes is None and set(exact_codes.kinds(target)) == {"float32"}
-        outs[on] = rt.generate([prompt], max_new_tokens=24)[0]
-    assert outs["1"] == outs["0"] == want
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            outs[on, products] = rt.generate([prompt], max_new_tokens=24)[0]
+        ran = {e.key for e in prof.key_averages() if e.key.startswith("dflow_rt::")}
+        assert bool(ran) == (products == "auto"), ran
+    assert outs["1", "auto"] == outs["0", "auto"] == outs["1", "torch"] == want
 
 
 def test_compiled_rounds_stream_the_codes_and_decode_the_same_tokens(monkeypatch):

@@ -13,6 +13,7 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
@@ -21,6 +22,7 @@ from dflow_rt.errors import InputError
 from dflow_rt.kernels import implementation_for, select, selection
 from dflow_rt.kernels.attention import attention_torch, attention_triton, cache_mask
 from dflow_rt.kernels.commit import commit_torch, commit_triton
+from dflow_rt.kernels.cpu import ops as cpu_ops
 from dflow_rt.kernels.flashinfer_attention import FlashInferAttention, plan_inputs
 from dflow_rt.kernels.sample import sample_torch, sample_triton
 from dflow_rt.kernels.sampling import uniform
@@ -178,17 +180,22 @@ def test_kernels_trace_whole_under_torch_compile():
 
 
 def test_implementation_resolution(monkeypatch):
-    assert select("auto", "cpu").implementations == {**dict.fromkeys(selection.OPS, "torch"), "attention": "cpu"}
+    cpu = {**dict.fromkeys(selection.OPS, "torch"), "attention": "cpu", "linear": "cpu"}
+    assert select("auto", "cpu").implementations == select("cpu", "cpu").implementations == cpu
+    assert select("torch", "cpu").implementations == dict.fromkeys(selection.OPS, "torch")
+    assert select("auto", "cpu").linear is cpu_ops.linear and select("torch", "cpu").linear is F.linear
     for op, requested, device in [("commit", "flashinfer", "cuda"), ("attention", "flashinfer", "cpu"),
                                   ("attention", "cudnn", "cpu"), ("softmax", "torch", "cpu"),
-                                  ("sample", "cpu", "cpu"), ("attention", "cpu", "cuda")]:
+                                  ("sample", "cpu", "cpu"), ("attention", "cpu", "cuda"), ("linear", "cpu", "cuda"),
+                                  ("linear", "triton", "cuda")]:
         with pytest.raises(InputError):
             implementation_for(op, requested, device)
     with pytest.raises(InputError):
         select({"attn": "torch"})
     present = {"triton": True, "flashinfer": True}
     monkeypatch.setattr(selection, "importable", lambda name: present[name])
-    assert [implementation_for(op, "auto", "cuda") for op in ("attention", "commit")] == ["flashinfer", "triton"]
+    assert [implementation_for(op, "auto", "cuda") for op in ("attention", "commit", "linear")] == [
+        "flashinfer", "triton", "torch"]
     present["flashinfer"] = False
     assert implementation_for("attention", "auto", "cuda") == "triton"
     with pytest.raises(InputError, match="import flashinfer"):

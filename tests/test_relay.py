@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 import dflow_rt
 import dflow_rt.oracle
 from dflow_rt.models.drafter import relay_off, with_relay
-from dflow_rt.models.relay import RelayBuffer, shift_to_slots
+from dflow_rt.models.relay import VerifyRecord, shift_to_slots
 from tests.conftest import FIXTURES
 from tests.helpers import fixed, ours_from_hf, random_relay, tiny_drafter, tiny_hf_target
 
@@ -38,7 +38,7 @@ def test_relay_vectors_follow_the_formula(reference_pair):
     target, parent = reference_pair
     drafter = random_relay(parent, seed=1)
     B, E = 16, target.embed_tokens
-    buf = drafter.new_relay_buffer(1)
+    buf = drafter.new_verify_record(1)
     feats = torch.randn(1, B, drafter.fc.weight.shape[1])
     block, verified = torch.randint(0, 23, (1, B)), torch.randint(0, 23, (1, B))
     a = 5
@@ -85,22 +85,22 @@ def test_relay_changes_drafts_but_not_output(reference_pair, relay_input):
     assert changed > 0, "a random relay should change some drafts"
 
 
-def test_relay_buffer_keeps_its_storage(reference_pair):
+def test_verify_record_keeps_its_storage(reference_pair):
     target, parent = reference_pair
     drafter = random_relay(parent)
     seen = []
     original = drafter.propose
 
     def spy(*args, **kwargs):
-        buf = args[-1] if isinstance(args[-1], RelayBuffer) else kwargs["relay"]
+        buf = args[-1] if isinstance(args[-1], VerifyRecord) else kwargs["relay"]
         seen.append((buf.features.data_ptr(), buf.accepted.data_ptr(), buf.features.sum().item()))
         return original(*args, **kwargs)
 
     drafter.propose = spy
     out = dflow_rt.oracle.generate(target, drafter, CASES[0]["prompt_ids"], max_new_tokens=40)
     assert len(seen) == len(out.acceptance_lengths) > 3
-    assert len({s[:2] for s in seen}) == 1, "the relay buffer must be written in place"
-    assert len({s[2] for s in seen[1:]}) > 1, "the relay buffer must be rewritten every round"
+    assert len({s[:2] for s in seen}) == 1, "the verify record must be written in place"
+    assert len({s[2] for s in seen[1:]}) > 1, "the verify record must be rewritten every round"
 
 
 @settings(max_examples=25)

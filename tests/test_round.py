@@ -68,8 +68,8 @@ class OracleDrafter:
     def new_cache(self, batch, max_len):
         return self.real.new_cache(batch, max_len)
 
-    def new_relay_buffer(self, batch, block_size):
-        return self.real.new_relay_buffer(batch, block_size)
+    def new_verify_record(self, batch, block_size):
+        return self.real.new_verify_record(batch, block_size)
 
     def propose(self, target, block_ids, block_pos, *, cache, ctx_feat=None, ctx_pos=None, rows=None, relay=None):
         first = int(block_pos[0, 1]) - self.prompt_len

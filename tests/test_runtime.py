@@ -129,8 +129,8 @@ def test_dflow_relay_in_static_round_matches_reference_round(reference_pair, rel
         assert out == ref.token_ids and cnt == reference_counts(ref)
 
 
-def test_static_round_projects_the_relay_buffer_once(reference_pair):
-    """The static round's context is the relay buffer's features: `fc` runs on them once a round,
+def test_static_round_projects_the_verify_record_once(reference_pair):
+    """The static round's context is the verify record's features: `fc` runs on them once a round,
     not once for the context and again for the relay."""
     target, parent = reference_pair
     drafter = random_relay(parent)
@@ -153,7 +153,7 @@ def test_no_recompiles_and_fixed_storage_over_200_rounds(reference_pair):
     rt = Runtime(target, drafter, fixed(max_batch=4, max_len=2048, mode="compile", sampling=False,
                                         length_buckets=(48, 64, 96), compiler="aot_eager"))  # greedy requests only
     graphs = counters["stats"]["unique_graphs"]
-    assert graphs == len(rt.plan.rows), "per batch bucket, one (greedy) graph; the length symbolic"
+    assert graphs == len(rt.plan.buckets), "per batch bucket, one (greedy) graph; the length symbolic"
     used = record_buckets(rt)
     ptrs = [t.data_ptr() for t in rt.state.tensors()]
     rounds, sizes, accepted = 0, set(), set()
@@ -323,9 +323,9 @@ def test_relay_rows_past_the_widest_verify_are_never_read(reference_pair, relay)
     for poison in (False, True):
         rt = Runtime(target, drafter, RuntimeConfig(mode="eager", max_batch=2, max_len=96, verify_width=4,
                                                     ar_fallback=False, kernels={"attention": "torch"}))
-        assert rt.plan.context_width == 4
+        assert rt.plan.max_width == 4
         if poison:
-            rt.state.relay.features[:, 4:] = float("nan")
+            rt.state.last_verify.features[:, 4:] = float("nan")
         runs.append(per_round(rt, prompts, 40))
     assert runs[0] == runs[1]
     assert runs[0][0] == [c["output_ids"][:40] for c in CASES[:2]]

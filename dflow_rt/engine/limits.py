@@ -105,7 +105,7 @@ def check_config(c: object) -> RuntimeConfig:
 def cache_bytes(target, drafter, rows: int, max_len: int, block_size: int) -> dict[str, int]:
     """Bytes of the preallocated state per part: KV caches (layers x rows x kv_heads x (max_len + 1)
     x head_dim x 2 x dtype size, the + 1 a spare position that gives every length view the same
-    strides), the relay buffer and the rotary tables' growth."""
+    strides), the verify record and the rotary tables' growth."""
     def kv(config, weight: torch.Tensor) -> int:
         return (config.num_hidden_layers * rows * config.num_key_value_heads * (max_len + 1) * config.head_dim * 2
                 * weight.element_size())
@@ -114,7 +114,7 @@ def cache_bytes(target, drafter, rows: int, max_len: int, block_size: int) -> di
     if drafter is not None:
         w = drafter.fc.weight
         parts["drafter KV cache"] = kv(drafter.config, w)
-        parts["relay buffer"] = rows * block_size * w.shape[1] * w.element_size()
+        parts["verify record"] = rows * block_size * w.shape[1] * w.element_size()
     parts["rotary tables"] = sum(max(0, max_len - m.rotary.cos.shape[0]) * m.config.head_dim * 4 * 2
                                  for m in (target, drafter) if m is not None and isinstance(m.rotary, Rotary))
     return parts

@@ -53,8 +53,12 @@ class Runtime:
         self.plan = plan = RoundPlan.of(c, target, drafter)
         positions = max(c.max_len, plan.lengths[-1])  # the cache's: a static plan rounds its length up
         check_memory(dataclasses.replace(c, max_len=positions), target, drafter, plan.block_size)
+        products = plan.kernels.implementations["linear"]  # the C++ kernels, or torch's ops
+        if products == "torch":
+            exact_codes.restore(target, drafter)  # weights held as codes need the kernel
+        cpu_ops.route(products, target, drafter)
         huge_pages.place(target, drafter)  # CPU weights streamed each step: fewer page walks
-        self.exact_codes = exact_codes.attach(target, drafter)  # fewer bytes a step, same values
+        self.exact_codes = exact_codes.attach(target, drafter) if products == "cpu" else None  # fewer bytes a step
         if self.exact_codes and self.exact_codes["coded"]:
             log.info("weights in exact codes: %.0f MB of float32 streamed as %.0f MB",
                      self.exact_codes["float32"] / 1e6, self.exact_codes["coded"] / 1e6)
@@ -87,7 +91,7 @@ class Runtime:
         self._placed = [(p, p.data_ptr()) for m in models for p in m.parameters()] if compiled else []
         self.policy = self.sampled_policy = self.timings = None  # greedy rounds' policy, sampled rounds'
         if plan.ar_fallback:
-            widths = {n: plan.round_widths(n) for n in plan.rows}
+            widths = {n: plan.round_widths(n) for n in plan.buckets}
             self.policy, self.sampled_policy = RoundPolicy(widths), RoundPolicy(widths)
             if c.keep_timings and not self.compile_pending:
                 self.timings = TimingsFile(self._timings_key())
@@ -149,7 +153,7 @@ class Runtime:
                 for p in module.parameters(recurse=False):
                     if not cpu_ops.held(p):
                         values.update(p.detach().reshape(-1)[:16].float().cpu().numpy().tobytes())
-        settings = {**self.plan.graph_settings(), "rows": self.plan.rows, "widths": self.plan.widths,
+        settings = {**self.plan.graph_settings(), "buckets": self.plan.buckets, "widths": self.plan.widths,
                     "values": values.hexdigest()[:16]}
         return compile_cache.entry_key(self.target, self.drafter, settings)[0]
 
@@ -255,7 +259,7 @@ class Runtime:
     def bucket(self, rows: int, position: int) -> tuple[int, int]:
         """The (batch, length) bucket of a round over rows [0, rows) whose furthest block starts at `position`."""
         p = self.plan
-        n = p.rows[bisect.bisect_left(p.rows, rows)]
+        n = p.buckets[bisect.bisect_left(p.buckets, rows)]
         return n, p.lengths[bisect.bisect_left(p.lengths, position + p.block_size)]
 
     def _step(self) -> dict[int, list[int]]:
@@ -415,7 +419,7 @@ class Runtime:
         s.faulted[rows] = screen(logits, self.plan.exclude)  # reported with the next round's tokens
         if self.drafter is not None:
             self.drafter.write_context(features, pos, s.draft_cache, rows)
-            s.relay.clear(rows)
+            s.last_verify.clear(rows)
         first = sample(logits, s.temperature[rows], s.top_k[rows], s.top_p[rows], s.seed[rows], pos[:, -1:] + 1)
         s.tokens[rows] = first[:, 0]
         s.start[rows] = P

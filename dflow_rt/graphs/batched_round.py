@@ -32,7 +32,7 @@ def draft(target, drafter, s: DecodeState, plan: RoundPlan, width: int | None = 
     features to its context (`dflow_rt.engine.policy`); so it does in a `lookup` round, whose drafts the
     host wrote to `s.lookup` (the text's own continuation, `dflow_rt.engine.lookup`).
 
-    The context write covers the relay buffer's first `plan.context_width` rows, the widest verify
+    The context write covers the verify record's first `plan.max_width` rows, the widest verify
     of this Runtime: a verify at width k commits at most k positions, and the rows past them are
     stale (at or past the next block, where they would be masked or overwritten). Projecting all B
     rows where 4 are verified cost a SmolLM2 plain step about 0.3 ms on CPU (docs/experiments.md,
@@ -49,13 +49,13 @@ def draft(target, drafter, s: DecodeState, plan: RoundPlan, width: int | None = 
         block = torch.cat([block[:, :1], s.lookup[:, :block.shape[1] - 1]], dim=1)
     if drafter is None:
         return block
-    n = max(plan.context_width, block.shape[1])  # a wider block than the plan's (width None) writes its own
+    n = max(plan.max_width, block.shape[1])  # a wider block than the plan's (width None) writes its own
     ctx_pos = s.ctx_start[:, None] + s.slots[:n]
-    ctx = drafter.write_context(s.relay.features[:, :n], ctx_pos, s.draft_cache, None)
+    ctx = drafter.write_context(s.last_verify.features[:, :n], ctx_pos, s.draft_cache, None)
     if width == 1 or lookup:
         return block
     pos = s.start[:, None] + s.slots[:block.shape[1]]
-    drafts = drafter.propose(target, block, pos, cache=s.draft_cache, relay=s.relay, projected=ctx,
+    drafts = drafter.propose(target, block, pos, cache=s.draft_cache, relay=s.last_verify, projected=ctx,
                              attention=_fused(plan, "attention"))
     return torch.cat([block[:, :1], drafts], dim=1)
 
@@ -105,7 +105,7 @@ def commit(s: DecodeState, block: torch.Tensor, verified: torch.Tensor, features
 
     `block` and `verified` are the k verified positions ([rows, k], k <= B); `s.out` columns past
     k + 1 are left as they are (the host reads `count` tokens)."""
-    r = s.relay
+    r = s.last_verify
     relay = () if r is None else r.tensors()
     kernel = _fused(plan, "commit") or commit_torch
     kernel(block, verified, features, s.tokens, s.start, s.ctx_start, s.fresh, s.active, s.out, *relay)

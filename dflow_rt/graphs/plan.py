@@ -20,7 +20,7 @@ class RoundPlan:
     mode: str  # eager, compile or cudagraph (RuntimeConfig.mode, resolved)
     compiler: str  # torch.compile's backend for the compiled modes
     freeze: bool  # weights folded into compiled rounds as constants (`runner.compiling`)
-    rows: tuple[int, ...]  # batch buckets: a round runs the first `rows` rows of the state
+    buckets: tuple[int, ...]  # batch buckets: a round runs the first n rows of the state, n a bucket
     lengths: tuple[int, ...]  # length buckets: a round attends over the first `length` cache positions
     static_length: bool  # one length, traced as a constant (`of`); else the length is a symbol
     widths: dict[int, int]  # verify width per batch bucket
@@ -47,7 +47,7 @@ class RoundPlan:
             lengths = (static_length(c.max_len),)
         fallback = c.ar_fallback is True and drafter is not None and max(widths.values()) > 1 \
             and not hasattr(kernels.attention, "plan")  # FlashInfer plans per verify width
-        return cls(mode=c.mode, compiler=c.compiler, freeze=c.freeze, rows=c.buckets(), lengths=lengths,
+        return cls(mode=c.mode, compiler=c.compiler, freeze=c.freeze, buckets=c.buckets(), lengths=lengths,
                    static_length=static,
                    widths=widths, sampling=c.sampling, ar_fallback=fallback, lookup=fallback and c.lookup,
                    block_size=block_size,
@@ -61,30 +61,30 @@ class RoundPlan:
         variant (which name a graph within an entry), for the compile cache's key: the length where it
         is static, else not the lengths, which the rounds trace as a symbol, so that one entry serves
         every max_len and every set of buckets."""
-        return {"mode": self.mode, "block_size": self.block_size, "context_width": self.context_width,
+        return {"mode": self.mode, "block_size": self.block_size, "max_width": self.max_width,
                 "filler": self.filler, "exclude": self.exclude, "layer_ids": self.layer_ids,
                 "kernels": dict(self.kernels.implementations),
                 "length": self.lengths[0] if self.static_length else "symbolic"}
 
     @property
-    def context_width(self) -> int:
-        """Relay rows a round writes to the drafter's context: the widest verify, which no round's
-        committed positions exceed (`batched_round.draft`)."""
+    def max_width(self) -> int:
+        """The widest verify width of any bucket: the verify record's rows a round writes to the
+        drafter's context, which no round's committed positions exceed (`batched_round.draft`)."""
         return max(self.widths.values())
 
-    def round_widths(self, rows: int) -> tuple[int, ...]:
-        """The verify widths bucket `rows` has a round for: its own k, and with the fallback also 1 (a
+    def round_widths(self, bucket: int) -> tuple[int, ...]:
+        """The verify widths `bucket` has a round for: its own k, and with the fallback also 1 (a
         plain step) and ceil(k / 2), among which `dflow_rt.engine.policy` chooses per round."""
-        k = self.widths[rows]
+        k = self.widths[bucket]
         return tuple(sorted({1, (k + 1) // 2, k})) if self.ar_fallback else (k,)
 
     def graphs(self, variants: tuple[bool, ...]) -> list[tuple[int, bool, int, bool]]:
-        """(rows, greedy, width, lookup) of every round graph, for the greedy `variants` built: each
+        """(bucket, greedy, width, lookup) of every round graph, for the greedy `variants` built: each
         bucket's `round_widths` in each variant, and with `lookup` a round at the bucket's k whose
         drafts the host writes (`dflow_rt.engine.lookup`), also in each variant: a looked-up token is a
         point-mass draft like the drafter's argmax, which the sampled verify accepts losslessly."""
-        drafted = [(n, g, k, False) for n in self.rows for g in variants for k in self.round_widths(n)]
-        return drafted + [(n, g, self.widths[n], True) for n in self.rows for g in variants if self.lookup]
+        drafted = [(n, g, k, False) for n in self.buckets for g in variants for k in self.round_widths(n)]
+        return drafted + [(n, g, self.widths[n], True) for n in self.buckets for g in variants if self.lookup]
 
 
 def static_length(max_len: int) -> int:

@@ -42,7 +42,7 @@ def build_rounds(target, drafter, state: DecodeState, plan: RoundPlan,
             and compat.cpp_compiler() is None:
         compat.say_no_compiler()
         mode = "eager"
-    views = {(n, L): state.view(n, L) for n in plan.rows for L in plan.lengths}
+    views = {(n, L): state.view(n, L) for n in plan.buckets for L in plan.lengths}
     graphs = {(n, g, k, lu): functools.partial(decode_round, target, drafter, plan=plan, width=k, greedy=g, lookup=lu)
               for n, g, k, lu in plan.graphs(greedy_variants(plan.mode, plan.sampling))}
     if mode != "eager":

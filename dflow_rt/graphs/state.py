@@ -11,14 +11,14 @@ from dataclasses import dataclass, fields
 import torch
 
 from dflow_rt.models.layers import KVCache
-from dflow_rt.models.relay import RelayBuffer
+from dflow_rt.models.relay import VerifyRecord
 
 
 @dataclass
 class DecodeState:
     tokens: torch.Tensor       # [rows] block slot 0: the last token emitted (or about to be)
     start: torch.Tensor        # [rows] absolute position of block slot 0
-    ctx_start: torch.Tensor    # [rows] position of relay.features[:, 0] (last verify's slot 0)
+    ctx_start: torch.Tensor    # [rows] position of last_verify.features[:, 0] (last verify's slot 0)
     fresh: torch.Tensor        # [rows] bool: slot 0 came from prefill and is not yet reported
     active: torch.Tensor       # [rows] bool: a live request owns the row
     temperature: torch.Tensor  # [rows] float32; 0 = greedy
@@ -31,7 +31,7 @@ class DecodeState:
     slots: torch.Tensor        # [B] arange, kept to avoid a per-round allocation
     target_cache: KVCache
     draft_cache: KVCache | None
-    relay: RelayBuffer | None
+    last_verify: VerifyRecord | None  # each row's last verify pass: the next context and the relay
 
     @classmethod
     def allocate(cls, target, drafter, rows: int, max_len: int, block_size: int) -> DecodeState:
@@ -47,7 +47,7 @@ class DecodeState:
             out=zeros(rows, block_size + 3), lookup=zeros(rows, block_size - 1),
             slots=torch.arange(block_size, device=dev), target_cache=target.new_cache(rows, max_len),
             draft_cache=drafter.new_cache(rows, max_len) if drafter is not None else None,
-            relay=drafter.new_relay_buffer(rows, block_size) if drafter is not None else None,
+            last_verify=drafter.new_verify_record(rows, block_size) if drafter is not None else None,
         )
 
     def view(self, n: int, length: int | None = None) -> DecodeState:
@@ -72,17 +72,17 @@ class DecodeState:
             t[row] = 0
 
     def clean(self, row: int) -> None:
-        """Zero every cache entry and relay record of `row` and park it.
+        """Zero every cache entry and verify record of `row` and park it.
 
         Masks do not contain a NaN or inf left by a failed request: attention multiplies masked
         keys and values by zero weights, and 0 * NaN is NaN. A row is cleaned when it faults,
         before any request can reuse it."""
         for t in self.caches():
             t[row].zero_()
-        if self.relay is not None:
-            for t in self.relay.tensors():
+        if self.last_verify is not None:
+            for t in self.last_verify.tensors():
                 t[row] = 0
-            self.relay.clear(torch.tensor([row], device=self.tokens.device))
+            self.last_verify.clear(torch.tensor([row], device=self.tokens.device))
         for t in (self.tokens, self.fresh, self.faulted):
             t[row] = 0
         self.park(row)

@@ -20,7 +20,7 @@ tl: Any = None  # triton.language, bound on the first launch (selection.triton_k
 
 def record_relay(buffer: list[torch.Tensor], rows: torch.Tensor | None, features: torch.Tensor, block: torch.Tensor,
                  verified: torch.Tensor, accepted: torch.Tensor) -> None:
-    """The relay write (`models.relay.RelayBuffer.write`; its tensors: features, accepted, bonus,
+    """The relay write (`models.relay.VerifyRecord.write`; its tensors: features, accepted, bonus,
     rejected, width): the verify features [b, k, F] of `rows` (None: all), their accepted count, the
     bonus token and the first rejected draft."""
     relay_features, relay_accepted, relay_bonus, relay_rejected, relay_width = buffer

@@ -1,5 +1,6 @@
-"""Which implementation serves each fused op: `torch` (the reference), `triton`, `flashinfer`
-(attention only, CUDA) or `cpu` (attention only: a C++ kernel, `models/cpu_attention.cpp`).
+"""Which implementation serves each op: `torch` (the reference), `triton` (the round's fused ops),
+`flashinfer` (attention only, CUDA) or `cpu` (the C++ kernels of `kernels/cpu/`: the attention, and
+the models' products with the eager passes' small ops, `linear`).
 
 Nothing here imports triton or flashinfer until an implementation that needs them is asked for, so
 `import dflow_rt` works on an install without them (the CPU one may lack triton).
@@ -17,8 +18,10 @@ import torch
 
 from dflow_rt.errors import InputError
 
-OPS = ("commit", "sample", "attention")
+OPS = ("commit", "sample", "attention", "linear")
 IMPLEMENTATIONS = ("torch", "triton", "flashinfer", "cpu")
+SERVES = {"torch": OPS, "triton": ("commit", "sample", "attention"), "flashinfer": ("attention",),
+          "cpu": ("attention", "linear")}  # the ops each implementation has a version of
 
 
 @functools.cache
@@ -40,10 +43,10 @@ def implementation_for(op: str, requested: str, device: torch.device | str) -> s
     """The implementation that serves `op` on `device` when `requested` ("auto" or an implementation).
 
     auto: flashinfer for the attention on CUDA when it imports, else triton on CUDA when it
-    imports, else torch; on CPU the C++ kernel for the attention (which hands what it does not
-    serve, bf16 or a prefill, to torch), torch for the rest. On CPU, triton runs only when asked
-    for by name under the interpreter. An implementation asked for by name that cannot run raises
-    InputError.
+    imports (torch for the products), else torch; on CPU the C++ kernels for the attention and the
+    products (each hands what it does not serve, bf16 or a prefill, to torch), torch for the rest.
+    On CPU, triton runs only when asked for by name under the interpreter. An implementation asked
+    for by name that cannot run, or has no version of `op` (`SERVES`), raises InputError.
     """
     if op not in OPS:
         raise InputError(f"kernel op must be one of {', '.join(OPS)}, got {op!r}")
@@ -51,22 +54,20 @@ def implementation_for(op: str, requested: str, device: torch.device | str) -> s
     if requested == "auto":
         if cuda and op == "attention" and importable("flashinfer"):
             return "flashinfer"
-        if not cuda and op == "attention":
+        if not cuda and op in SERVES["cpu"]:
             return "cpu"
-        return "triton" if cuda and importable("triton") else "torch"
+        return "triton" if cuda and op in SERVES["triton"] and importable("triton") else "torch"
+    if requested in SERVES and op not in SERVES[requested]:
+        raise InputError(f"{requested} serves only {' and '.join(SERVES[requested])}, not {op!r}")
     if requested == "torch":
         return requested
     if requested == "flashinfer":
-        if op != "attention":
-            raise InputError(f"flashinfer serves only the attention, not {op!r}")
         if not cuda:
             raise InputError("kernel implementation 'flashinfer' needs a CUDA device")
         if not importable("flashinfer"):
             raise InputError("kernel implementation 'flashinfer' asked for, but `import flashinfer` fails")
         return requested
     if requested == "cpu":
-        if op != "attention":
-            raise InputError(f"cpu serves only the attention, not {op!r}")
         if cuda:
             raise InputError("kernel implementation 'cpu' needs a CPU device")
         return requested
@@ -89,13 +90,14 @@ class Kernels:
     commit: Callable
     sample: Callable
     attention: Callable
+    linear: Callable  # the models' products: their modules are routed to it (`cpu_ops.route`)
 
 
 def select(spec: str | Mapping[str, str] = "auto", device: torch.device | str = "cpu") -> Kernels:
-    """Resolve a `RuntimeConfig.kernels` spec: one implementation (or "auto") for every op, or a
-    dict op -> implementation whose missing ops are "auto"."""
+    """Resolve a `RuntimeConfig.kernels` spec: one implementation (or "auto") for every op it has a
+    version of ("auto" for the others), or a dict op -> implementation whose missing ops are "auto"."""
     if isinstance(spec, str):
-        requested = dict.fromkeys(OPS, spec)
+        requested = {op: spec if op in SERVES.get(spec, OPS) else "auto" for op in OPS}
     else:
         unknown = set(spec) - set(OPS)
         if unknown:
@@ -128,6 +130,10 @@ def load(op: str, implementation: str) -> Callable:
         from dflow_rt.kernels.flashinfer_attention import FlashInferAttention
 
         return FlashInferAttention()
+    if op == "linear":
+        from dflow_rt.kernels.cpu import ops as cpu_ops
+
+        return cpu_ops.linear if implementation == "cpu" else torch.nn.functional.linear
     module = importlib.import_module(f"dflow_rt.kernels.{op}")
     return getattr(module, f"{op}_{implementation}")
 

@@ -18,7 +18,7 @@ from torch import nn
 
 from dflow_rt.kernels.cpu.ops import Linear, embedding, linear
 from dflow_rt.models.layers import CachedPass, DecoderLayer, KVCache, RMSNorm, Rotary
-from dflow_rt.models.relay import Relay, RelayBuffer, relay_keys, relay_mask, shift_to_slots
+from dflow_rt.models.relay import Relay, VerifyRecord, relay_keys, relay_mask, shift_to_slots
 
 RELAY_INPUTS = ("mask_embedding", "kv")
 
@@ -59,6 +59,8 @@ class DrafterConfig:
 
 
 class Drafter(nn.Module):
+    kernel = True  # the draft-vocabulary head's product through the C++ kernel where it serves (`cpu_ops.route`)
+
     def __init__(self, config: DrafterConfig):
         super().__init__()
         c = self.config = config
@@ -97,7 +99,7 @@ class Drafter(nn.Module):
         dtype: over the draft vocabulary when the drafter has one (column j is token `vocab_ids[j]`)."""
         if self.vocab_head is None:
             return target.lm_head(hidden.to(target.lm_head.weight.dtype))
-        return linear(hidden.to(self.vocab_head.dtype), self.vocab_head, codes=self.vocab_codes)
+        return linear(hidden.to(self.vocab_head.dtype), self.vocab_head, codes=self.vocab_codes, kernel=self.kernel)
 
     def restrict_vocab(self, target: nn.Module, ids: torch.Tensor | None) -> None:
         """Draft only tokens `ids` (None: the whole vocabulary again); see `dflow_rt.models.draft_vocab`.
@@ -132,16 +134,16 @@ class Drafter(nn.Module):
         c, w = self.config, self.fc.weight
         return KVCache(c.num_hidden_layers, batch, c.num_key_value_heads, max_len, c.head_dim, w.dtype, w.device)
 
-    def new_relay_buffer(self, batch: int, block_size: int | None = None) -> RelayBuffer:
+    def new_verify_record(self, batch: int, block_size: int | None = None) -> VerifyRecord:
         w = self.fc.weight
-        return RelayBuffer.allocate(batch, block_size or self.block_size, w.shape[1], w.dtype, w.device)
+        return VerifyRecord.allocate(batch, block_size or self.block_size, w.shape[1], w.dtype, w.device)
 
     def project(self, features: torch.Tensor) -> torch.Tensor:
         """Target features [..., K*hidden] -> `hidden_norm(fc(features))` [..., hidden], what both the
         context keys/values and the relay are made of."""
         return self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
 
-    def relay_vectors(self, target: nn.Module, buffer: RelayBuffer, rows: torch.Tensor | None,
+    def relay_vectors(self, target: nn.Module, buffer: VerifyRecord, rows: torch.Tensor | None,
                       projected: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-slot relay vectors [batch, B, hidden] (zero where nothing is relayed) and which
         slots carry one [batch, B]. `projected`: the buffer's features through `project`, when the
@@ -203,7 +205,7 @@ class Drafter(nn.Module):
 
     def propose(self, target: nn.Module, block_ids: torch.Tensor, block_pos: torch.Tensor, *, cache: KVCache,
                 ctx_feat: torch.Tensor | None = None, ctx_pos: torch.Tensor | None = None,
-                relay: RelayBuffer | None = None, projected: torch.Tensor | None = None,
+                relay: VerifyRecord | None = None, projected: torch.Tensor | None = None,
                 attention: Callable | None = None) -> torch.Tensor:
         """Greedy drafts [batch, n - 1] for slots 1.. of `block_ids` [batch, n] (one denoising step).
 

@@ -20,13 +20,15 @@ from dflow_rt.kernels.cpu.ops import Codes, Linear, eager_served, linear_parts, 
 
 
 class RMSNorm(nn.Module):
+    kernel = True  # the C++ op in eager passes where it serves; False: torch's (`cpu_ops.route`)
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps, self.kernel)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
@@ -198,7 +200,7 @@ class CachedPass:
         old and new keys, whose copy grows with the context every round.
         """
         q, k, v = linear_parts(x, (attn.q_proj, attn.k_proj, attn.v_proj), attn.merged)
-        if self.rows is None and eager_served(x, attn.q_proj.weight):
+        if self.rows is None and eager_served(x, attn.q_proj.weight, attn.q_proj.kernel):
             q = attn.rotate_and_write(q, k, v, self.cos, self.sin, self.cache, layer, self.positions)
         else:
             k, v = attn.key_value(x, self.cos, self.sin, (k, v))

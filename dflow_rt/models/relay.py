@@ -87,8 +87,9 @@ def shift_to_slots(features: torch.Tensor, accepted: torch.Tensor,
 
 
 @dataclass
-class RelayBuffer:
-    """Per-request store of the last verify pass, preallocated once and rewritten in place.
+class VerifyRecord:
+    """Per-request record of the last verify pass, preallocated once and rewritten in place: the
+    DFlow ring buffer of rejected-suffix states, which DFlash rounds read too (for their context).
 
     Holds the verify features (accepted prefix and rejected suffix alike: the prefix is the
     next draft's new context, the suffix its relay), the accepted count a, the bonus token c,
@@ -105,16 +106,16 @@ class RelayBuffer:
 
     @classmethod
     def allocate(cls, batch: int, block_size: int, feature_dim: int, dtype: torch.dtype,
-                 device: torch.device | str) -> RelayBuffer:
+                 device: torch.device | str) -> VerifyRecord:
         def longs(value: int) -> torch.Tensor:
             return torch.full((batch,), value, dtype=torch.long, device=device)
 
         return cls(torch.zeros(batch, block_size, feature_dim, dtype=dtype, device=device), longs(block_size - 1),
                    longs(0), longs(0), longs(block_size))
 
-    def view(self, n: int) -> RelayBuffer:
+    def view(self, n: int) -> VerifyRecord:
         """The first `n` rows, sharing storage (a batch bucket of the static round)."""
-        return RelayBuffer(*(t[:n] for t in self.tensors()))
+        return VerifyRecord(*(t[:n] for t in self.tensors()))
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.features, self.accepted, self.bonus, self.rejected, self.width]

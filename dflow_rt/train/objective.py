@@ -9,7 +9,7 @@ projection and attend under one [N*B, ctx + N*B] mask: one target pass and one d
 DFlow: that round unrolled 3 times per anchor with shared weights. Each round's greedy drafts are
 verified ONLINE by the frozen target (the proposed block on top of the clean context, no_grad);
 acceptance and the next anchor come from matching drafts against the ground truth; the next round's
-mask slots get relays built by the inference code itself (`RelayBuffer.write`,
+mask slots get relays built by the inference code itself (`VerifyRecord.write`,
 `Drafter.relay_vectors`), so slot mapping and c/d cannot drift from the runtime. Drafts are
 argmax: no gradient crosses rounds. Round losses are summed; with `base_first_round` the shared
 weights learn from round 1 (the DFlash loss) and the relay alone from the later rounds.
@@ -26,7 +26,7 @@ from torch import nn
 
 from dflow_rt.models.drafter import Drafter
 from dflow_rt.models.layers import Rotary
-from dflow_rt.models.relay import RelayBuffer, relay_keys, relay_mask
+from dflow_rt.models.relay import VerifyRecord, relay_keys, relay_mask
 from dflow_rt.models.target import Target
 
 
@@ -141,7 +141,7 @@ class DraftPass(nn.Module):
         super().__init__()
         self.drafter = drafter
 
-    def forward(self, ctx_kv: list, emb: torch.Tensor, starts: torch.Tensor, relay: RelayBuffer | None,
+    def forward(self, ctx_kv: list, emb: torch.Tensor, starts: torch.Tensor, relay: VerifyRecord | None,
                 target: Target) -> torch.Tensor:
         relay_kv = None
         if relay is not None:
@@ -180,7 +180,7 @@ class DraftObjective(nn.Module):
     def drafter(self) -> Drafter:
         return self.draft.drafter
 
-    def draft_pass(self, ctx_kv: list, emb: torch.Tensor, starts: torch.Tensor, relay: RelayBuffer | None,
+    def draft_pass(self, ctx_kv: list, emb: torch.Tensor, starts: torch.Tensor, relay: VerifyRecord | None,
                    relay_alone: bool) -> torch.Tensor:
         """Drafter hidden states; with `relay_alone`, gradients reach the relay's own weights only."""
         target = self._frozen[0]
@@ -251,8 +251,8 @@ class DraftObjective(nn.Module):
 
     @torch.no_grad()
     def relay_inputs(self, truth: torch.Tensor, target_kv: list, block: torch.Tensor, drafts: torch.Tensor,
-                     starts: torch.Tensor, accepted: torch.Tensor) -> RelayBuffer:
-        """Verify the drafts online and record the pass in a `RelayBuffer`, as the inference round does
+                     starts: torch.Tensor, accepted: torch.Tensor) -> VerifyRecord:
+        """Verify the drafts online and record the pass in a `VerifyRecord`, as the inference round does
         (`truth` [b, L]: the target's token at each position)."""
         d, t, (b, N, B) = self.drafter, self._frozen[0], block.shape
         verify = torch.cat([block[..., :1], drafts], dim=-1)
@@ -262,9 +262,9 @@ class DraftObjective(nn.Module):
             states_of = torch.cat([block[..., :1], truth.gather(1, at.flatten(1)).view(b, N, B)[..., 1:]], dim=-1)
         vfeat = target_verify(t, target_kv, states_of.flatten(1), starts, d.target_layer_ids)
         # The verifier's argmax at each block position is the ground truth's next token (the data is
-        # the target's greedy output), so RelayBuffer.write takes c = x_{p'} and d = the first rejected draft.
+        # the target's greedy output), so VerifyRecord.write takes c = x_{p'} and d = the first rejected draft.
         pos = (starts[..., None] + torch.arange(1, B + 1, device=truth.device)).clamp(max=truth.shape[1] - 1)
-        relay = d.new_relay_buffer(b * N, B)
+        relay = d.new_verify_record(b * N, B)
         relay.write(None, vfeat.view(b * N, B, -1), verify.view(b * N, B),
                     truth.gather(1, pos.flatten(1)).view(b * N, B), accepted.flatten())
         return relay

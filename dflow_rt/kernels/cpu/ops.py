@@ -8,12 +8,14 @@ uses (tens of seconds, once: the library is kept under the cache directory), use
 products of at most MAX_ROWS rows without autograd on CPUs with AVX-512 or AVX2 (one source, a tile
 per instruction set), and `linear` falls back to `F.linear` everywhere else.
 
-The library (all of SOURCES) has one build path, `build` (through `dflow_rt.compat.build_library`):
-`enabled` builds it for this CPU, and tests build the other instruction set's code with it. A
-failed build is logged and leaves the kernels off; a process without the C++ compiler skips the
-build and says so in one line (`compat.say_no_compiler`). Debugging override: DFLOW_RT_CPU_GEMV=0
-in the environment keeps the kernels off in a process that could build them (torch's ops serve
-every product, attention and eager pass, as on a CPU without AVX2), e.g. to compare against them;
+A Runtime routes its models' passes here or to torch through `RuntimeConfig.kernels` (op "linear":
+"cpu", the default on CPU, or "torch"; `route`). The library (all of SOURCES) has one build path,
+`build` (through `dflow_rt.compat.build_library`): `enabled` builds it for this CPU, and tests
+build the other instruction set's code with it. A failed build is logged and leaves the kernels
+off; a process without the C++ compiler skips the build and says so in one line
+(`compat.say_no_compiler`). Debugging override: DFLOW_RT_CPU_GEMV=0 in the environment keeps the
+kernels off in a whole process that could build them (torch's ops serve every product, attention
+and eager pass, as on a CPU without AVX2), e.g. to compare against them;
 DFLOW_RT_EXACT_CODES=0 (`dflow_rt.models.exact_codes`) keeps only the products over weight codes off.
 """
 
@@ -194,12 +196,13 @@ def values(weight: torch.Tensor, codes: Codes | None) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           codes: Codes | None = None) -> torch.Tensor:
+           codes: Codes | None = None, kernel: bool = True) -> torch.Tensor:
     """`F.linear(x, weight, bias)`, through the kernel where it serves (see the module docstring),
     streaming `codes` instead of `weight` where the weight has them and has not changed since. A
     product the kernel does not serve (prefill's many rows, autograd) over a weight `held` as its
-    codes multiplies by its decoded values: the same float32 weight, bit for bit."""
-    rows = _served(x, weight)
+    codes multiplies by its decoded values: the same float32 weight, bit for bit. `kernel=False`:
+    torch's product always (a module `route`d to torch)."""
+    rows = _served(x, weight) if kernel else 0
     if not rows:
         return F.linear(x, values(weight, codes), bias)
     flat = x.reshape(rows, x.shape[-1]).contiguous()
@@ -223,23 +226,25 @@ def linear_parts(x: torch.Tensor, layers: Sequence[Linear], merged: Codes | None
     """`[layer(x) for layer in layers]` (projections of one input), as one product over `merged`, the
     layers' codes stacked (`exact_codes.attach`), where their codes serve: a product has a fixed cost
     (a call, a fork of threads), a tenth of a small one's time at one row."""
-    if merged is None or not _served(x, layers[0].weight) or not all(_current(m.codes, m.weight) for m in layers):
+    if (merged is None or not layers[0].kernel or not _served(x, layers[0].weight)
+            or not all(_current(m.codes, m.weight) for m in layers)):
         return [m(x) for m in layers]
     y = _coded_product(x.reshape(-1, x.shape[-1]).contiguous(), merged).reshape(*x.shape[:-1], -1)
     parts = y.split([m.weight.shape[0] for m in layers], -1)
     return [p if m.bias is None else p + m.bias for p, m in zip(parts, layers, strict=True)]
 
 
-def eager_served(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the C++ small ops (`kernels/cpu/eager.cpp`) serve a pass over `x` whose products the kernel serves:
-    eager passes only, as a compiled pass fuses torch's small ops into its neighbours."""
-    return not torch.compiler.is_compiling() and _served(x, weight) > 0
+def eager_served(x: torch.Tensor, weight: torch.Tensor, kernel: bool = True) -> bool:
+    """Whether the C++ small ops (`kernels/cpu/eager.cpp`) serve a pass over `x` whose products the kernel serves
+    (`kernel`: the module is routed here): eager passes only, as a compiled pass fuses torch's small ops
+    into its neighbours."""
+    return kernel and not torch.compiler.is_compiling() and _served(x, weight) > 0
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, kernel: bool = True) -> torch.Tensor:
     """HF's RMSNorm (normalised in float32, then scaled in x's dtype), by the C++ op where `eager_served`,
     else by torch's (an eager pass pays about 10 us a call for its chain of small ops)."""
-    if eager_served(x, weight):
+    if eager_served(x, weight, kernel):
         return torch.ops.dflow_rt.rms_norm(x, weight, eps)
     return weight * F.rms_norm(x, weight.shape, None, eps)
 
@@ -250,6 +255,11 @@ class _Coded:
     those); loading one into a held weight gives it float32 storage again first."""
 
     codes: Codes | None = None
+    kernel = True  # products through `linear`'s kernel where it serves; False: torch's (`route`)
+
+    def reset_parameters(self) -> None:
+        if not self.weight.is_meta:  # a model built on the meta device to load weights into: nothing to draw
+            super().reset_parameters()  # (and drawing there imports torch._dynamo, with triton where installed)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
@@ -268,7 +278,7 @@ class Linear(_Coded, nn.Linear):
     weight's exact codes once `exact_codes.attach` gave it some."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.codes)
+        return linear(x, self.weight, self.bias, self.codes, self.kernel)
 
 
 class Embedding(_Coded, nn.Embedding):
@@ -279,3 +289,16 @@ class Embedding(_Coded, nn.Embedding):
         if self.codes is None:
             return super().forward(ids)
         return embedding(ids, self.weight, self.codes)
+
+
+def route(implementation: str, *models: nn.Module | None) -> None:
+    """Send the passes of `models` to `implementation` ("cpu": the kernels, where they serve;
+    "torch": torch's ops only): every module with a `kernel` switch (products, RMSNorm, a drafter's
+    head) is set. A weight held as its codes needs the kernel: give models sent to torch their
+    float32 weights back first (`exact_codes.restore`, as a Runtime does)."""
+    if implementation not in ("cpu", "torch"):
+        raise ValueError(f"the products are served by 'cpu' or 'torch', not {implementation!r}")
+    for model in (m for m in models if m is not None):
+        for module in model.modules():
+            if "kernel" in dir(type(module)):
+                module.kernel = implementation == "cpu"
