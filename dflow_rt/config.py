@@ -80,6 +80,11 @@ class RuntimeConfig:
     them in a background process). Default False: a library caller gets compiled rounds or waits.
     sampling: False builds only the rounds in which no request samples (greedy), half the graphs
     a compiled Runtime compiles on its first start; `add_request` then refuses a temperature above 0.
+    prefill_chunk: the most prompt tokens one `step()` prefills (a per-step token budget): a longer
+    prompt, or several, is prefilled over the following steps in chunks of what the budget leaves,
+    while the rows already decoding run their round every step, so a newcomer stalls the running
+    streams for one chunk, not one prompt. None (the default): each admitted prompt whole, in the
+    step that admits it (fastest to a first token where nothing else runs). Lossless either way.
     memory_limit: construction refuses a state (KV caches, verify record, rotary tables) larger
     than this many bytes, before allocating anything; by default, larger than the free memory
     of the models' device (`dflow_rt.engine.limits`, which also checks every field's type and range).
@@ -104,6 +109,7 @@ class RuntimeConfig:
     ar_fallback: bool | str = AUTO
     lookup: bool = True
     sampling: bool = True
+    prefill_chunk: int | None = None
 
     def widths(self, block_size: int) -> dict[int, int]:
         """Verify width k per batch bucket: the drafter drafts all B slots, the target checks the first

@@ -352,3 +352,36 @@ def rt_acceptance(rt: Runtime, prompt) -> list[int]:
     while not rt.is_finished(rid):
         rt.step()
     return rt.pop(rid).acceptance
+
+
+@pytest.mark.parametrize("chunk", [5, 16])
+def test_chunked_prefill_emits_the_same_tokens_while_rows_decode(reference_pair, chunk):
+    """With a per-step prompt budget (`prefill_chunk`), prompts that join while rows decode are
+    prefilled over several steps, the decoding rows run every step, and every request's tokens are
+    the whole-prompt Runtime's: greedy ones the reference's, seeded sampled ones alike, rows reused."""
+    target, drafter = reference_pair
+    cases = CASES[:6]
+
+    def run(config: RuntimeConfig, **sampling) -> tuple[list[list[int]], list[int]]:
+        rt = Runtime(target, drafter, config)
+        rids, decoding = [], []
+        for i, case in enumerate(cases):  # one joins every other step, beside the running ones
+            rids.append(rt.add_request(case["prompt_ids"], max_new_tokens=24, seed=i, **sampling))
+            for _ in range(2):
+                running = [r for r in rids if not rt.is_finished(r)
+                           and rt.requests[r].prefilled == rt.requests[r].prompt.numel()]
+                emitted = rt.step()
+                decoding.append(all(emitted.get(r) for r in running))
+        while not all(rt.is_finished(r) for r in rids):
+            rt.step()
+        return [rt.pop(r).emitted for r in rids], decoding
+
+    whole = fixed(max_batch=3, max_len=160)
+    chunked = fixed(max_batch=3, max_len=160, prefill_chunk=chunk)
+    tokens, decoding = run(chunked)
+    assert tokens == [c["output_ids"][:24] for c in cases] == run(whole)[0]
+    assert all(decoding), "a row that was decoding got no tokens in a step that prefilled a chunk"
+    sampled = run(chunked, temperature=1.0, top_k=8)[0]
+    assert sampled == run(whole, temperature=1.0, top_k=8)[0]
+    with pytest.raises(InputError, match="prefill_chunk"):
+        Runtime(target, drafter, fixed(max_batch=1, max_len=64, prefill_chunk=0))

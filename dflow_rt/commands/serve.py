@@ -36,8 +36,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--max-queue", type=int, default=64,
                    help="requests that may wait for a row; beyond it the server answers 429 [64]")
     s.add_argument("--max-prefill-tokens", type=int, default=128,
-                   help="prompt tokens a step may prefill while other requests decode (at least one request): "
-                        "lower keeps their inter-token latency flat, higher starts new requests sooner [128]")
+                   help="prompt tokens a step prefills at most while other requests decode (RuntimeConfig."
+                        "prefill_chunk): longer prompts are prefilled in chunks over several steps; lower keeps "
+                        "the running streams' inter-token latency flat, higher starts new requests sooner [128]")
     s.add_argument("--max-len", type=int, default=None,
                    help=f"context per row, prompt + answer + one block [the model's, at most {DEFAULT_MAX_LEN}]")
     s.add_argument("--block-size", type=int, default=None, help="default: the drafter's block size")
@@ -69,9 +70,8 @@ def build_engine(args: argparse.Namespace):
 
     target, drafter, tokenizer = load_decoding_models(args)
     max_len = args.max_len or min(target.config.max_position_embeddings, DEFAULT_MAX_LEN)
-    config = runtime_config(args, max_batch=args.max_batch, max_len=max_len)
-    engine = Engine(Runtime(target, drafter, config), tokenizer, args.max_queue, stop_token_ids(tokenizer),
-                    args.max_prefill_tokens)
+    config = runtime_config(args, max_batch=args.max_batch, max_len=max_len, prefill_chunk=args.max_prefill_tokens)
+    engine = Engine(Runtime(target, drafter, config), tokenizer, args.max_queue, stop_token_ids(tokenizer))
     name = args.served_model_name or (Path(args.target).name if args.target else "bundled")
     return engine, name
 

@@ -84,6 +84,7 @@ FIELD_CHECKS: dict[str, Callable[[object, RuntimeConfig], object]] = {
     "ar_fallback": lambda v, c: v == AUTO or _flag("ar_fallback", v),
     "sampling": lambda v, c: _flag("sampling", v),
     "lookup": lambda v, c: _flag("lookup", v),
+    "prefill_chunk": lambda v, c: v is None or check_int("prefill_chunk", v, 1),
 }
 
 

@@ -74,6 +74,7 @@ class Runtime:
                 self.rounds = build_rounds(target, drafter, self.state, now, before, cache)
             self.compile_cache_hit = cache is not None and cache.loaded > 0 and cache.saved == 0
         self.rounds_run = 0
+        self.prefill_tokens = 0  # prompt tokens the last step prefilled
         self._start_policy()
         self.waiting: deque[Request] = deque()
         self.free_rows = list(range(c.max_batch))  # a heap: lowest rows first keeps buckets small
@@ -264,10 +265,12 @@ class Runtime:
 
     def _step(self) -> dict[int, list[int]]:
         self._admit()
-        live = [r for r in self.rows if r is not None]
+        held = [r for r in self.rows if r is not None]  # rows still prefilling are padding to the round
+        live = [r for r in held if r.prefilled == r.prompt.numel()]
         if not live:
             return {}
-        n, length = self.bucket(max(r.row for r in live) + 1, max(r.position for r in live))
+        n = self.bucket(max(r.row for r in live) + 1, 0)[0]
+        length = self.bucket(n, max(r.position for r in held if r.row < n))[1]  # padding's block fits too
         greedy = (n, length, True, self.plan.widths[n], False) in self.rounds and all(r.temperature == 0 for r in live)
         policy = self.policy if greedy else self.sampled_policy
         width = self.plan.widths[n] if policy is None else policy.width(n)
@@ -389,36 +392,62 @@ class Runtime:
             self.rows[req.row], req.row = None, -1
 
     def _admit(self) -> None:
-        admitted = []
+        """Waiting requests into free rows, then prompts into the caches: each admitted prompt whole
+        (equal lengths together), or, with `prefill_chunk` while some row decodes, at most that many
+        tokens this step, in admission order, a prompt's chunks over as many steps as it takes."""
         while self.waiting and self.free_rows:
             req = self.waiting.popleft()
             req.row = heapq.heappop(self.free_rows)
             self.rows[req.row] = req
             req.text = NgramIndex(req.prompt.tolist()) if self.plan.lookup else None
-            admitted.append(req)
-        by_length: dict[int, list[Request]] = {}
-        for req in admitted:
-            by_length.setdefault(req.prompt.numel(), []).append(req)
-        for group in by_length.values():
-            self._prefill(group)
+        held = [r for r in self.rows if r is not None]
+        filling = sorted((r for r in held if r.prefilled < r.prompt.numel()), key=lambda r: r.rid)
+        self.prefill_tokens = sum(r.prompt.numel() - r.prefilled for r in filling)  # this step's, at most
+        decoding = len(filling) < len(held)
+        budget = self.config.prefill_chunk if decoding else None  # nobody to stall: whole prompts
+        if budget is None:
+            by_length: dict[int, list[Request]] = {}
+            for req in filling:
+                by_length.setdefault(req.prompt.numel(), []).append(req)
+            for group in by_length.values():
+                self._prefill(group, group[0].prompt.numel())
+            return
+        self.prefill_tokens = 0
+        for req in filling:
+            if budget == 0:
+                break
+            take = min(budget, req.prompt.numel() - req.prefilled)
+            self._prefill([req], req.prefilled + take)
+            budget -= take
+            self.prefill_tokens += take
 
-    def _prefill(self, group: list[Request]) -> None:
-        """Prompts of equal length through the target, writing only their own rows.
+    def _prefill(self, group: list[Request], end: int) -> None:
+        """Prompt positions [prefilled, end) of `group` (requests at the same point) through the
+        target, writing only their own rows; a group whose prompts end at `end` starts decoding.
 
-        The first token is sampled on the device and reported by the next round's output.
-        """
+        The first token is sampled on the device and reported by the next round's output. Until
+        then a row is padding to the rounds, parked at `end`: what a round writes there lies past
+        its prompt so far, where the next chunk writes (and nothing reads it before)."""
         s, P, dev = self.state, group[0].prompt.numel(), self.state.tokens.device
         rows = torch.tensor([r.row for r in group], device=dev)
+        begin = group[0].prefilled
+        pos = torch.arange(begin, end, device=dev).expand(len(group), end - begin)
+        ids = torch.stack([r.prompt[begin:end] for r in group])
+        logits, features = self.target(ids, pos, s.target_cache, rows, layer_ids=self.plan.layer_ids,
+                                       logits_from=end - begin - 1)
+        if self.drafter is not None:
+            self.drafter.write_context(features, pos, s.draft_cache, rows)
+        for req in group:
+            req.prefilled = req.position = end
+        if end < P:
+            s.start[rows] = end
+            s.ctx_start[rows] = end
+            return
         for name in ("temperature", "top_k", "top_p", "seed"):
             getattr(s, name)[rows] = torch.tensor([getattr(r, name) for r in group], device=dev,
                                                   dtype=getattr(s, name).dtype)
-        pos = torch.arange(P, device=dev).expand(len(group), P)
-        ids = torch.stack([r.prompt for r in group])
-        logits, features = self.target(ids, pos, s.target_cache, rows, layer_ids=self.plan.layer_ids,
-                                       logits_from=P - 1)
         s.faulted[rows] = screen(logits, self.plan.exclude)  # reported with the next round's tokens
         if self.drafter is not None:
-            self.drafter.write_context(features, pos, s.draft_cache, rows)
             s.last_verify.clear(rows)
         first = sample(logits, s.temperature[rows], s.top_k[rows], s.top_p[rows], s.seed[rows], pos[:, -1:] + 1)
         s.tokens[rows] = first[:, 0]
@@ -426,5 +455,3 @@ class Runtime:
         s.ctx_start[rows] = P
         s.fresh[rows] = True
         s.active[rows] = True
-        for req in group:
-            req.position = P

@@ -98,11 +98,10 @@ class Handle:
 
 
 class Engine:
-    """Owns `runtime` in one thread; `max_queue` requests may wait for a row beyond the running ones,
-    and a step admits at most `max_prefill_tokens` of prompts while others decode (see `_admit`)."""
+    """Owns `runtime` in one thread; `max_queue` requests may wait for a row beyond the running ones
+    (see `_admit` for how newcomers join the running streams)."""
 
-    def __init__(self, runtime: Runtime, tokenizer, max_queue: int = 64, stop_token_ids: Sequence[int] = (),
-                 max_prefill_tokens: int = 128):
+    def __init__(self, runtime: Runtime, tokenizer, max_queue: int = 64, stop_token_ids: Sequence[int] = ()):
         self.rt, self.tokenizer = runtime, tokenizer
         self.max_len, self.block = runtime.config.max_len, runtime.block_size
         self.vocab = runtime.target.config.vocab_size
@@ -110,7 +109,6 @@ class Engine:
         self.stop_token_ids = tuple(stop_token_ids)  # always stop here (end of text, end of turn)
         self.metrics = Metrics(self.block)
         self.steps = 0
-        self.max_prefill_tokens = max_prefill_tokens
         self._inbox: queue.SimpleQueue[Handle] = queue.SimpleQueue()  # submitted, not yet seen by the loop
         self._pending: deque[Handle] = deque()  # seen, waiting for a row
         self._cancels: queue.SimpleQueue[Handle] = queue.SimpleQueue()
@@ -208,7 +206,7 @@ class Engine:
                 self._wake.clear()
                 self._take_new()
                 self._take_cancels()
-                prefill = self._admit()
+                self._admit()
                 if self._closing or (self._drain_at is not None and time.monotonic() >= self._drain_at):
                     self._end_all("shutdown", "the server shut down before the request finished")
                     if self._closing:
@@ -216,7 +214,7 @@ class Engine:
                 if not self._live:
                     self._wake.wait(None if self._drain_at is None else 0.1)
                     continue
-                self._step(prefill)
+                self._step()
         except BaseException as err:  # a bug: answer every waiting client rather than leave it hanging
             self.failure = f"{type(err).__name__}: {err}"
             self._end_all("error", f"server error: {self.failure}")
@@ -243,18 +241,14 @@ class Engine:
                 self._pending.remove(h)
                 self._finish(h, "cancelled")
 
-    def _admit(self) -> bool:
-        """Waiting requests into free rows. A prefill runs inside the step and stalls every running
-        stream, so while any stream runs a step takes at most `max_prefill_tokens` of prompts (and
-        always one request); with nothing running, everything that fits. True if any got in."""
-        spent, free = 0, self.rt.config.max_batch - len(self._live)
-        decoding = bool(self._live)
+    def _admit(self) -> None:
+        """Waiting requests into free rows. The Runtime prefills them inside its steps, at most
+        `RuntimeConfig.prefill_chunk` prompt tokens a step while other rows decode (`serve
+        --max-prefill-tokens`), so a newcomer stalls the running streams for one chunk."""
+        free = self.rt.config.max_batch - len(self._live)
         while self._pending and free > 0:
-            h = self._pending[0]
+            h = self._pending.popleft()
             p = h.params
-            if decoding and spent and spent + len(p.prompt_ids) > self.max_prefill_tokens:
-                break
-            self._pending.popleft()
             try:
                 h.rid = self.rt.add_request(list(p.prompt_ids), max_new_tokens=p.max_tokens, temperature=p.temperature,
                                             top_k=p.top_k, top_p=p.top_p, seed=p.seed,
@@ -265,15 +259,14 @@ class Engine:
             h.detok = Detokenizer(self.tokenizer, p.stop)
             self._live[h.rid] = h
             self.metrics.prompt_tokens.inc(len(p.prompt_ids))
-            spent, free = spent + len(p.prompt_ids), free - 1
-        return spent > 0
+            free -= 1
 
-    def _step(self, prefill: bool) -> None:
+    def _step(self) -> None:
         t0 = time.perf_counter()
         out = self.rt.step()
         now = time.perf_counter()
         self.steps += 1
-        self.metrics.step_seconds.labels("yes" if prefill else "no").observe(now - t0)
+        self.metrics.step_seconds.labels("yes" if self.rt.prefill_tokens else "no").observe(now - t0)
         self.metrics.batch_rows.observe(len(out))
         for rid, tokens in out.items():
             h = self._live.get(rid)

@@ -26,7 +26,8 @@ class Metrics:
                                           "(accepted drafts + bonus: its mean is tau)",
                                           buckets=tuple(range(1, block_size + 1)), registry=r)
         self.step_seconds = Histogram("dflow_step_seconds", "Wall time of one Runtime.step(), by whether it "
-                                      "prefilled new requests (a prefill stalls every running stream)", ["prefill"],
+                                      "prefilled prompt tokens (at most --max-prefill-tokens while others decode)",
+                                      ["prefill"],
                                       buckets=STEP_BUCKETS, registry=r)
         self.batch_rows = Histogram("dflow_step_rows", "Live requests in one step",
                                     buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r)
