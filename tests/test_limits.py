@@ -14,7 +14,7 @@ import torch
 
 import dflow_rt
 from dflow_rt import CheckpointError, InputError, RuntimeConfig
-from dflow_rt.engine.limits import FIELD_CHECKS, cache_bytes
+from dflow_rt.engine.limits import FIELD_CHECKS, cache_bytes, row_bytes
 from dflow_rt.engine.runtime import Runtime
 from dflow_rt.models.bounds import parameter_count
 from dflow_rt.models.checkpoint import target_config
@@ -43,16 +43,69 @@ def test_bad_config_fields_are_refused_by_name(reference_pair, field, value):
         Runtime(target, drafter, config)
 
 
-def test_memory_is_checked_before_anything_is_allocated(reference_pair):
+def test_memory_is_checked_before_anything_is_allocated(reference_pair, monkeypatch):
+    """A resident (dense) state must fit whole; a paged one (CPU: resident as rows write) one row at
+    max_len, within RESERVE_FACTOR times the memory in address space."""
     target, drafter = reference_pair
     tables = [(m.rotary.cos, m.rotary.sin) for m in (target, drafter)]
-    need = sum(cache_bytes(target, drafter, 2, 160, drafter.block_size).values())
+    parts = cache_bytes(target, drafter, 2, 160, drafter.block_size)
+    need = sum(parts.values())
+    monkeypatch.setenv("DFLOW_RT_CACHE_PAGES", "0")
     Runtime(target, drafter, fixed(max_batch=2, max_len=160, memory_limit=need))
     with pytest.raises(InputError, match="max_batch 2 x max_len 160 needs .* memory_limit"):
         Runtime(target, drafter, fixed(max_batch=2, max_len=160, memory_limit=need - 1))
     with pytest.raises(InputError, match="free memory"):  # terabytes of cache: refused, not allocated
         Runtime(target, drafter, fixed(max_batch=1 << 16, max_len=1 << 24))
+    monkeypatch.setenv("DFLOW_RT_CACHE_PAGES", "1")
+    rest = need - parts["target KV cache"] - parts["drafter KV cache"]
+    one_row = rest + row_bytes(target, drafter, 160)
+    rt = Runtime(target, drafter, fixed(max_batch=2, max_len=160, memory_limit=one_row))
+    assert rt.cache_budget == one_row - rest
+    with pytest.raises(InputError, match="one row of max_len 160"):
+        Runtime(target, drafter, fixed(max_batch=2, max_len=160, memory_limit=one_row - 1))
+    with pytest.raises(InputError, match="address space"):  # terabytes of cache: refused, not reserved
+        Runtime(target, drafter, fixed(max_batch=1 << 16, max_len=1 << 20))
     assert [(m.rotary.cos, m.rotary.sin) for m in (target, drafter)] == tables
+
+
+def test_paged_rows_hold_what_they_write_and_wait_for_memory(reference_pair):
+    """On CPU a Runtime's caches take memory as rows write them and give it back when a request ends;
+    a request whose cache would not fit beside what the others hold waits, and decodes the same tokens."""
+    target, drafter = reference_pair
+    case = json.loads((FIXTURES / "rounds.json").read_text())["cases"][0]
+    parts = cache_bytes(target, drafter, 2, 80, drafter.block_size)
+    rest = sum(parts.values()) - parts["target KV cache"] - parts["drafter KV cache"]
+    one = row_bytes(target, drafter, len(case["prompt_ids"]) + 24 + drafter.block_size)
+    rt = Runtime(target, drafter, fixed(max_batch=2, max_len=80, memory_limit=rest + one + one // 2))
+    assert rt.cache_budget == one + one // 2  # room for one such request, not two
+    a = rt.add_request(case["prompt_ids"], max_new_tokens=24)
+    b = rt.add_request(case["prompt_ids"], max_new_tokens=24)
+    rt.step()
+    assert rt.requests[a].row >= 0 and rt.requests[b].row == -1, "b must wait: a holds the memory"
+    row = rt.requests[a].row
+    while not rt.is_finished(a):
+        rt.step()
+    assert rt.state.target_cache.k[0][row].abs().sum() == 0, "a finished row's pages are given back (zeros)"
+    while not rt.is_finished(b):
+        rt.step()
+    assert rt.pop(a).emitted == rt.pop(b).emitted == case["output_ids"][:24]
+    assert rt.reserved == 0
+
+
+def test_a_paged_cache_is_resident_only_where_written():
+    from dflow_rt.models.cache_pages import Cache
+
+    def rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    before = rss()
+    cache = Cache((8, 1 << 25), torch.float32, "cpu")  # 1 GiB reserved
+    assert rss() - before < 64 << 20 and cache.tensor.sum() == 0
+    cache.tensor[3] = 1.0  # one row: 128 MiB
+    assert 120 << 20 < rss() - before < 200 << 20
+    cache.release(3)
+    assert rss() - before < 64 << 20 and cache.tensor[3].abs().sum() == 0
 
 
 def test_a_failed_runtime_leaves_the_models_as_they_were(reference_pair, monkeypatch):

@@ -23,6 +23,7 @@ from dflow_rt.models.layers import Rotary, reserve_positions
 MAX_ROWS = 1 << 16
 MAX_LEN = 1 << 24
 MAX_BLOCK = 1 << 10
+RESERVE_FACTOR = 64  # a paged state's address space, in multiples of the memory it may use
 GIB = 1 << 30
 
 
@@ -136,18 +137,48 @@ def available_bytes(device: torch.device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def check_memory(c: RuntimeConfig, target, drafter, block_size: int) -> int:
-    """The state's bytes, after checking them against `c.memory_limit` (default: free device memory)."""
+def check_memory(c: RuntimeConfig, target, drafter, block_size: int, paged: bool = False) -> int | None:
+    """Check the state against `c.memory_limit` (default: free device memory) before anything is
+    allocated. A dense state must fit whole; a paged one (`models.cache_pages`: resident as rows
+    write it) must fit one row at max_len, and reserve at most RESERVE_FACTOR times the limit in
+    address space. Returns what the rows' caches may hold at once (the limit less the rest of the
+    state) where paged, else None (the state is resident already)."""
     parts = cache_bytes(target, drafter, c.max_batch, c.max_len, block_size)
-    need = sum(parts.values())
     device = target.lm_head.weight.device
     limit = c.memory_limit if c.memory_limit is not None else available_bytes(device)
-    if need > limit:
-        detail = ", ".join(f"{k} {v / GIB:.2f}" for k, v in parts.items() if v)
-        source = "memory_limit" if c.memory_limit is not None else f"free memory on {device}"
-        raise InputError(f"max_batch {c.max_batch} x max_len {c.max_len} needs {need / GIB:.2f} GiB ({detail}), "
-                         f"more than the {limit / GIB:.2f} GiB of {source}: lower max_batch or max_len")
-    return need
+    source = "memory_limit" if c.memory_limit is not None else f"free memory on {device}"
+    need = sum(parts.values())
+    if not paged:
+        if need > limit:
+            detail = ", ".join(f"{k} {v / GIB:.2f}" for k, v in parts.items() if v)
+            raise InputError(f"max_batch {c.max_batch} x max_len {c.max_len} needs {need / GIB:.2f} GiB ({detail}), "
+                             f"more than the {limit / GIB:.2f} GiB of {source}: lower max_batch or max_len")
+        return None
+    caches = parts["target KV cache"] + parts.get("drafter KV cache", 0)
+    rest = need - caches
+    row = row_bytes(target, drafter, c.max_len)
+    if rest + row > limit:
+        raise InputError(f"one row of max_len {c.max_len} needs {(rest + row) / GIB:.2f} GiB with the rest of the "
+                         f"state, more than the {limit / GIB:.2f} GiB of {source}: lower max_len")
+    if caches > RESERVE_FACTOR * limit:
+        raise InputError(f"max_batch {c.max_batch} x max_len {c.max_len} reserves {caches / GIB:.2f} GiB of address "
+                         f"space, more than {RESERVE_FACTOR}x the {limit / GIB:.2f} GiB of {source}: lower max_batch "
+                         f"or max_len")
+    return limit - rest
+
+
+def row_bytes(target, drafter, positions: int) -> int:
+    """Resident bytes of one row's caches holding `positions` positions where the caches are paged:
+    each layer's keys and values per head, rounded up to whole pages."""
+    page = 4096
+    total = 0
+    for m in (target, drafter):
+        if m is None:
+            continue
+        c, w = m.config, (m.lm_head.weight if m is target else m.fc.weight)
+        per_head = -(-positions * c.head_dim * w.element_size() // page) * page
+        total += c.num_hidden_layers * 2 * c.num_key_value_heads * per_head
+    return total
 
 
 @contextmanager

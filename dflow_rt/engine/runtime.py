@@ -25,7 +25,7 @@ import torch
 from dflow_rt import compat
 from dflow_rt.checks import check_fits, check_int, check_sampling, cut_at_stop, prompt_tensor, stop_set
 from dflow_rt.config import RuntimeConfig
-from dflow_rt.engine.limits import check_memory, rotary_growth
+from dflow_rt.engine.limits import check_memory, rotary_growth, row_bytes
 from dflow_rt.engine.lookup import NgramIndex
 from dflow_rt.engine.policy import UNTIMED, RoundPolicy, TimingsFile
 from dflow_rt.engine.request import Request
@@ -37,7 +37,7 @@ from dflow_rt.graphs.runner import build_rounds, guard_failure
 from dflow_rt.graphs.state import DecodeState
 from dflow_rt.kernels.cpu import ops as cpu_ops
 from dflow_rt.kernels.sampling import sample, screen
-from dflow_rt.models import exact_codes, huge_pages
+from dflow_rt.models import cache_pages, exact_codes, huge_pages
 
 log = logging.getLogger("dflow_rt")
 FAULT = "its logits became NaN or infinite (a numerical fault in its row, which was cleaned; other requests go on)"
@@ -52,7 +52,10 @@ class Runtime:
         self.target, self.drafter = target, drafter
         self.plan = plan = RoundPlan.of(c, target, drafter)
         positions = max(c.max_len, plan.lengths[-1])  # the cache's: a static plan rounds its length up
-        check_memory(dataclasses.replace(c, max_len=positions), target, drafter, plan.block_size)
+        paged = cache_pages.available(target.lm_head.weight.device)  # rows resident as they write
+        self.cache_budget = check_memory(dataclasses.replace(c, max_len=positions), target, drafter, plan.block_size,
+                                         paged)  # what rows may hold at once, where paged: admission keeps to it
+        self.reserved = 0  # of it, what the requests holding rows may write
         products = plan.kernels.implementations["linear"]  # the C++ kernels, or torch's ops
         if products == "torch":
             exact_codes.restore(target, drafter)  # weights held as codes need the kernel
@@ -169,6 +172,11 @@ class Runtime:
         prompt = prompt_tensor(prompt_ids, vocab, self.state.tokens.device)[0]
         max_new_tokens = check_int("max_new_tokens", max_new_tokens, 1)
         check_fits(prompt.numel(), max_new_tokens, self.plan.block_size, self.config.max_len)
+        need = self._reservation(prompt.numel(), max_new_tokens)
+        if self.cache_budget is not None and need > self.cache_budget:
+            raise InputError(f"a prompt of {prompt.numel()} tokens and {max_new_tokens} new ones need "
+                             f"{need / 2**30:.2f} GiB of cache, more than this Runtime's "
+                             f"{self.cache_budget / 2**30:.2f} GiB")
         sampling = check_sampling(temperature, top_k, top_p, seed, vocab)
         if sampling.temperature > 0 and not self.plan.sampling:
             raise InputError(f"temperature {sampling.temperature}: this Runtime has greedy rounds only "
@@ -384,9 +392,15 @@ class Runtime:
             raise InputError(f"no request {rid}: never added, or already popped")
         return self.requests[rid]
 
+    def _reservation(self, prompt: int, max_new_tokens: int) -> int:
+        """Cache bytes a request may write (its prompt, answer and a block past it) where rows are paged."""
+        return row_bytes(self.target, self.drafter, prompt + max_new_tokens + self.plan.block_size)
+
     def _finish(self, req: Request) -> None:
         req.finished = True
+        self.reserved, req.reserved = self.reserved - req.reserved, 0
         if req.row >= 0:  # the row keeps running as padding until it is reused
+            self.state.release(req.row)
             self.state.park(req.row)
             heapq.heappush(self.free_rows, req.row)
             self.rows[req.row], req.row = None, -1
@@ -396,7 +410,12 @@ class Runtime:
         (equal lengths together), or, with `prefill_chunk` while some row decodes, at most that many
         tokens this step, in admission order, a prompt's chunks over as many steps as it takes."""
         while self.waiting and self.free_rows:
-            req = self.waiting.popleft()
+            req = self.waiting[0]
+            need = self._reservation(req.prompt.numel(), req.max_new_tokens)
+            if self.cache_budget is not None and self.reserved + need > self.cache_budget:
+                break  # waits until finished rows give their memory back
+            self.waiting.popleft()
+            req.reserved, self.reserved = need, self.reserved + need
             req.row = heapq.heappop(self.free_rows)
             self.rows[req.row] = req
             req.text = NgramIndex(req.prompt.tolist()) if self.plan.lookup else None

@@ -71,6 +71,12 @@ class DecodeState:
         for t in (self.active, self.temperature, self.start, self.ctx_start):
             t[row] = 0
 
+    def release(self, row: int) -> None:
+        """Give back the cache memory `row` holds where the caches are paged (`models.cache_pages`)."""
+        for cache in (self.target_cache, self.draft_cache):
+            if cache is not None:
+                cache.release(row)
+
     def clean(self, row: int) -> None:
         """Zero every cache entry and verify record of `row` and park it.
 
@@ -79,6 +85,7 @@ class DecodeState:
         before any request can reuse it."""
         for t in self.caches():
             t[row].zero_()
+        self.release(row)  # zeros still, and not resident
         if self.last_verify is not None:
             for t in self.last_verify.tensors():
                 t[row] = 0

@@ -17,6 +17,7 @@ from torch import nn
 
 from dflow_rt.kernels.attention import cache_mask
 from dflow_rt.kernels.cpu.ops import Codes, Linear, eager_served, linear_parts, rms_norm
+from dflow_rt.models.cache_pages import Cache
 
 
 class RMSNorm(nn.Module):
@@ -254,10 +255,18 @@ class KVCache:
                  dtype: torch.dtype, device: torch.device | str):
         # One spare position that nothing addresses: every length view, the full one included,
         # then has the same strides, so one compiled graph (symbolic length) serves them all.
+        # On CPU the pages of a row are resident only once written (`cache_pages`).
         shape = (batch, kv_heads, max_len + 1, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device)[:, :, :max_len] for _ in range(layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device)[:, :, :max_len] for _ in range(layers)]
+        self.pages = [Cache(shape, dtype, device) for _ in range(2 * layers)]
+        self.k = [c.tensor[:, :, :max_len] for c in self.pages[:layers]]
+        self.v = [c.tensor[:, :, :max_len] for c in self.pages[layers:]]
         self.all_rows = torch.arange(batch, device=device)
+
+    def release(self, row: int) -> None:
+        """Give back the memory `row` holds, where it is held in pages (`cache_pages`): its entries read as
+        zeros again. A request's row, when the request ends."""
+        for c in self.pages:
+            c.release(row)
 
     @property
     def max_len(self) -> int:
@@ -280,7 +289,7 @@ class KVCache:
         (batch, length) bucket reads and writes, so attention spans live positions only."""
         out = object.__new__(KVCache)
         out.k, out.v = [t[:n, :, :length] for t in self.k], [t[:n, :, :length] for t in self.v]
-        out.all_rows = self.all_rows[:n]
+        out.all_rows, out.pages = self.all_rows[:n], []
         return out
 
     def read(self, layer: int, rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
