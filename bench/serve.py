@@ -48,6 +48,7 @@ def add_serve_bench_args(p: argparse.ArgumentParser) -> None:
                         "--max-batch and llama.cpp's parallel slots [16]")
     p.add_argument("--requests", type=int, default=64, help="serve: requests per row, all clients together [64]")
     p.add_argument("--max-prefill-tokens", type=int, default=None, help="serve: the server's flag [its default]")
+    p.add_argument("--max-len", type=int, default=None, help="serve: the server's flag [its default]")
     p.add_argument("--kinds", nargs="+", choices=KINDS, default=["completion"],
                    help="serve: completions of HumanEval prompts and/or chat turns of MT-Bench questions [completion]")
     p.add_argument("--temperatures", nargs="+", type=float, default=[0.0], help="serve: a set of rows each [0]")
@@ -239,7 +240,7 @@ def dflow_server(args: argparse.Namespace, drafter: str, mode: str, port: int) -
            "--mode", mode, "--max-batch", str(args.clients), "--max-queue", str(args.requests),
            "--log-level", "warning"]
     for flag, value in (("--target", args.target), ("--threads", args.threads), ("--device", args.device),
-                        ("--max-prefill-tokens", args.max_prefill_tokens)):
+                        ("--max-prefill-tokens", args.max_prefill_tokens), ("--max-len", args.max_len)):
         if value is not None:
             cmd += [flag, str(value)]
     return cmd
@@ -310,10 +311,10 @@ def run_serve_bench(args: argparse.Namespace) -> dict:
              for kind in args.kinds for t in args.temperatures]
     settings = {"clients": args.clients, "requests": args.requests, "max_tokens": args.max_new_tokens,
                 "prompts": count, "mode": mode, "target": args.target or "bundled", "threads": args.threads,
-                "max_prefill_tokens": args.max_prefill_tokens, "rate": args.rate,
+                "max_prefill_tokens": args.max_prefill_tokens, "max_len": args.max_len, "rate": args.rate,
                 "arrivals": "closed loop" if args.rate is None else f"Poisson, {args.rate} a second"}
     servers = [(f"dflow-rt, {d}", dflow_server(args, d, mode, free_port())) for d in drafters]
-    context = 2048  # each llama.cpp slot: the longest prompt and answer, as dflow-rt's default --max-len
+    context = args.max_len or 2048  # each llama.cpp slot: as dflow-rt's rows (its default --max-len)
     servers += [(f"llama.cpp {Path(g).name}", llama_server(args, g, free_port(), context)) for g in args.gguf]
     rows = []
     for name, cmd in servers:

@@ -78,6 +78,7 @@ class Runtime:
             self.compile_cache_hit = cache is not None and cache.loaded > 0 and cache.saved == 0
         self.rounds_run = 0
         self.prefill_tokens = 0  # prompt tokens the last step prefilled
+        self._asked = 0.0  # when `_compiled_on_disk` last looked
         self._start_policy()
         self.waiting: deque[Request] = deque()
         self.free_rows = list(range(c.max_batch))  # a heap: lowest rows first keeps buckets small
@@ -139,7 +140,7 @@ class Runtime:
         """Whether this eager-started Runtime's compiled rounds are on disk now, and no row is live; the
         disk is asked at most once a second."""
         now = time.monotonic()
-        if any(row is not None for row in self.rows) or now - getattr(self, "_asked", 0.0) < 1.0:
+        if any(row is not None for row in self.rows) or now - self._asked < 1.0:
             return False
         self._asked = now
         cache = self._compile_cache()
