@@ -168,15 +168,16 @@ def check_memory(c: RuntimeConfig, target, drafter, block_size: int, paged: bool
 
 
 def row_bytes(target, drafter, positions: int) -> int:
-    """Resident bytes of one row's caches holding `positions` positions where the caches are paged:
-    each layer's keys and values per head, rounded up to whole pages."""
+    """Resident bytes of one row's caches holding `positions` positions where the caches are paged, at
+    most: each layer's keys and values per head, in whole pages, and one more where a head's span
+    straddles a page boundary."""
     page = 4096
     total = 0
     for m in (target, drafter):
         if m is None:
             continue
         c, w = m.config, (m.lm_head.weight if m is target else m.fc.weight)
-        per_head = -(-positions * c.head_dim * w.element_size() // page) * page
+        per_head = (-(-positions * c.head_dim * w.element_size() // page) + 1) * page
         total += c.num_hidden_layers * 2 * c.num_key_value_heads * per_head
     return total
 

@@ -71,11 +71,12 @@ class DecodeState:
         for t in (self.active, self.temperature, self.start, self.ctx_start):
             t[row] = 0
 
-    def release(self, row: int) -> None:
-        """Give back the cache memory `row` holds where the caches are paged (`models.cache_pages`)."""
+    def release(self, row: int, zero: bool = False) -> None:
+        """Give back the cache memory `row` holds where the caches are paged (`models.cache_pages`); with
+        `zero`, its entries are zeros afterwards in any case."""
         for cache in (self.target_cache, self.draft_cache):
             if cache is not None:
-                cache.release(row)
+                cache.release(row, zero)
 
     def clean(self, row: int) -> None:
         """Zero every cache entry and verify record of `row` and park it.
@@ -83,9 +84,7 @@ class DecodeState:
         Masks do not contain a NaN or inf left by a failed request: attention multiplies masked
         keys and values by zero weights, and 0 * NaN is NaN. A row is cleaned when it faults,
         before any request can reuse it."""
-        for t in self.caches():
-            t[row].zero_()
-        self.release(row)  # zeros still, and not resident
+        self.release(row, zero=True)  # paged: given back, reading zeros; else zeroed
         if self.last_verify is not None:
             for t in self.last_verify.tensors():
                 t[row] = 0

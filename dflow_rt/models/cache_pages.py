@@ -49,8 +49,10 @@ class Cache:
         rows = torch.frombuffer(self.region, dtype=torch.uint8).view(dtype).view(shape[0], self.row_bytes // item)
         self.tensor = rows[:, :row].view(shape)  # strided by whole pages along the rows, contiguous within
 
-    def release(self, row: int) -> None:
-        """Give back the pages of row `row`: they read as zeros again. Nothing where the tensor is an
-        ordinary one."""
+    def release(self, row: int, zero: bool = False) -> None:
+        """Give back the pages of row `row`: they read as zeros again. Where the tensor is an ordinary
+        one, nothing to give back: zeroed if `zero`, else left as it is."""
         if self.region is not None:
             self.region.madvise(mmap.MADV_DONTNEED, row * self.row_bytes, self.row_bytes)
+        elif zero:
+            self.tensor[row].zero_()

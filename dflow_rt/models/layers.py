@@ -262,11 +262,11 @@ class KVCache:
         self.v = [c.tensor[:, :, :max_len] for c in self.pages[layers:]]
         self.all_rows = torch.arange(batch, device=device)
 
-    def release(self, row: int) -> None:
-        """Give back the memory `row` holds, where it is held in pages (`cache_pages`): its entries read as
-        zeros again. A request's row, when the request ends."""
+    def release(self, row: int, zero: bool = False) -> None:
+        """Give back the memory `row` holds where it is held in pages (`cache_pages`), which then read as
+        zeros (a request's row, when it ends); with `zero`, zeros in any case (a faulted row)."""
         for c in self.pages:
-            c.release(row)
+            c.release(row, zero)
 
     @property
     def max_len(self) -> int:

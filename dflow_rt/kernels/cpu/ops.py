@@ -300,5 +300,5 @@ def route(implementation: str, *models: nn.Module | None) -> None:
         raise ValueError(f"the products are served by 'cpu' or 'torch', not {implementation!r}")
     for model in (m for m in models if m is not None):
         for module in model.modules():
-            if "kernel" in dir(type(module)):
+            if hasattr(type(module), "kernel"):
                 module.kernel = implementation == "cpu"
