@@ -25,7 +25,8 @@ class Request:
     row: int = -1
     position: int = 0  # absolute position of the next round's block slot 0 (the device's `start`)
     prefilled: int = 0  # prompt tokens in the caches: the request decodes once all are
-    reserved: int = 0  # cache bytes held for it while it holds a row (`Runtime.cache_budget`)
+    need: int = 0  # cache bytes it may write (prompt, answer, a block) where the caches are paged
+    reserved: int = 0  # of `Runtime.cache_budget`, what it holds while it holds a row
     emitted: list[int] = field(default_factory=list)
     acceptance: list[int] = field(default_factory=list)  # tokens per round (accepted drafts + bonus)
     plain_steps: int = 0  # of those rounds, the ones in which the target stepped alone (`RuntimeConfig.ar_fallback`),

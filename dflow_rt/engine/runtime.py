@@ -186,7 +186,7 @@ class Runtime:
         rid = next(self._rids)
         seed = random.getrandbits(62) if sampling.seed is None else sampling.seed
         self.requests[rid] = req = Request(rid, prompt, max_new_tokens, stops, sampling.temperature, sampling.top_k,
-                                           sampling.top_p, seed)
+                                           sampling.top_p, seed, need=need)
         self.waiting.append(req)
         return rid
 
@@ -412,11 +412,10 @@ class Runtime:
         tokens this step, in admission order, a prompt's chunks over as many steps as it takes."""
         while self.waiting and self.free_rows:
             req = self.waiting[0]
-            need = self._reservation(req.prompt.numel(), req.max_new_tokens)
-            if self.cache_budget is not None and self.reserved + need > self.cache_budget:
+            if self.cache_budget is not None and self.reserved + req.need > self.cache_budget:
                 break  # waits until finished rows give their memory back
             self.waiting.popleft()
-            req.reserved, self.reserved = need, self.reserved + need
+            req.reserved, self.reserved = req.need, self.reserved + req.need
             req.row = heapq.heappop(self.free_rows)
             self.rows[req.row] = req
             req.text = NgramIndex(req.prompt.tolist()) if self.plan.lookup else None
