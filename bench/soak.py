@@ -103,7 +103,7 @@ def bad_requests(vocab: int, max_len: int) -> list[dict]:
 
 def snapshot(rt: Runtime) -> tuple:
     """What a refused request must not change."""
-    return (sorted(rt.requests), [r.rid for r in rt.waiting], sorted(rt.free_rows),
+    return (sorted(rt.requests), [r.rid for r in rt.scheduler.waiting], sorted(rt.scheduler.free_rows),
             [r.rid if r else None for r in rt.rows])
 
 
@@ -190,7 +190,7 @@ def run_soak(target, drafter, tokenizer, soak: Soak = Soak(), progress: bool = T
         "exact_fraction": tally["exact"] / max(done, 1),
         "bad_refused_fraction": tally["bad_refused"] / max(tally["bad"], 1),
         "rounds_per_s_by_tenth": windows, "flatness": round(min(windows) / max(windows), 3) if max(windows) else 0.0,
-        "leaked_records": len(rt.requests), "free_rows": len(rt.free_rows),
+        "leaked_records": len(rt.requests), "free_rows": len(rt.scheduler.free_rows),
     }
     result["targets_met"] = {"rss_growth": result["rss_growth"] <= TARGETS["rss_growth"],
                              "recompiles": result["recompiles"] == TARGETS["recompiles"],

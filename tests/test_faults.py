@@ -83,7 +83,7 @@ def test_a_request_whose_prefill_goes_nan_fails_and_raises_in_stream_and_generat
     with pytest.raises(RequestError):
         list(rt.stream(nan_prefill, max_new_tokens=10))
     rt.pop(bad)
-    assert rt.requests == {} and sorted(rt.free_rows) == [0, 1]
+    assert rt.requests == {} and sorted(rt.scheduler.free_rows) == [0, 1]
     assert rt.generate([PROMPTS[0]], max_new_tokens=40) == [expected]
 
 
@@ -124,7 +124,7 @@ def test_cancel_while_waiting_running_and_finished(reference_pair):
     rt.step()
     assert rt.requests[waiting].row == -1
     rt.cancel(waiting)
-    assert rt.is_finished(waiting) and rt.pop(waiting).emitted == [] and len(rt.waiting) == 0
+    assert rt.is_finished(waiting) and rt.pop(waiting).emitted == [] and len(rt.scheduler.waiting) == 0
     running = rt.requests[b]
     rt.cancel(b)
     assert running.finished and running.row == -1 and running.emitted == alone(target, drafter, PROMPTS[1])[
@@ -136,7 +136,7 @@ def test_cancel_while_waiting_running_and_finished(reference_pair):
     rt.pop(a), rt.pop(b)
     with pytest.raises(InputError, match="already popped"):
         rt.cancel(a)
-    assert sorted(rt.free_rows) == [0, 1] and rt.requests == {}
+    assert sorted(rt.scheduler.free_rows) == [0, 1] and rt.requests == {}
 
 
 def test_streams_side_by_side_keep_every_token(reference_pair):
@@ -162,7 +162,7 @@ def test_generate_leaves_nothing_behind_on_a_bad_prompt(reference_pair):
     rt = Runtime(target, drafter, fixed(max_batch=2, max_len=160))
     with pytest.raises(InputError):
         rt.generate([PROMPTS[0], [1, 2, 10_000]], max_new_tokens=10)
-    assert rt.requests == {} and not rt.waiting
+    assert rt.requests == {} and not rt.scheduler.waiting
 
 
 def test_step_refuses_concurrent_and_reentrant_calls(reference_pair):

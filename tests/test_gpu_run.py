@@ -4,6 +4,7 @@ recorded in gpu_run.json, and drafters that come back whole and load."""
 import json
 import os
 import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
@@ -17,7 +18,8 @@ def test_gpu_script_runs_every_stage_at_tiny_sizes(tmp_path):
     out, stage = tmp_path / "out", tmp_path / "stage"
     env = {**os.environ, "DEVICE": "cpu", "TARGET": str(target_dir(None)), "PROMPTS": "6", "NEW": "12",
            "REGEN_BATCH": "3", "STEPS": "2", "BATCH": "2", "EVAL_SEQS": "2", "LIMIT": "2", "EVAL_NEW": "8",
-           "OUT": str(out), "STAGE": str(stage)}
+           "OUT": str(out), "STAGE": str(stage),
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}  # its python3 is this one
     done = subprocess.run(["bash", "bench/gpu_run.sh", "run"], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -159,7 +159,7 @@ def test_both_samplers_draw_the_same_tokens_at_ties():
     logits, probs = dyadic([1, 1, 0, 1, 0, 2, 3, 3, math.inf], 1.0)
     top_ps = boundaries(probs)
     b = len(top_ps)
-    u = grid(b, [p / 4 for p in probs])  # four draws per token's share
+    u = grid(b, [p / 2 for p in probs])  # two draws per token's share
     rows = logits.to(DEV).expand(b, u.shape[1], -1).contiguous()
     args = (torch.ones(b, device=DEV), torch.zeros(b, dtype=torch.long, device=DEV),
             torch.tensor(top_ps, dtype=torch.float32, device=DEV), u)

@@ -60,7 +60,7 @@ def test_memory_is_checked_before_anything_is_allocated(reference_pair, monkeypa
     rest = need - parts["target KV cache"] - parts["drafter KV cache"]
     one_row = rest + row_bytes(target, drafter, 160)
     rt = Runtime(target, drafter, fixed(max_batch=2, max_len=160, memory_limit=one_row))
-    assert rt.cache_budget == one_row - rest
+    assert rt.scheduler.cache_budget == one_row - rest
     with pytest.raises(InputError, match="one row of max_len 160"):
         Runtime(target, drafter, fixed(max_batch=2, max_len=160, memory_limit=one_row - 1))
     with pytest.raises(InputError, match="address space"):  # terabytes of cache: refused, not reserved
@@ -77,7 +77,7 @@ def test_paged_rows_hold_what_they_write_and_wait_for_memory(reference_pair):
     rest = sum(parts.values()) - parts["target KV cache"] - parts["drafter KV cache"]
     one = row_bytes(target, drafter, len(case["prompt_ids"]) + 24 + drafter.block_size)
     rt = Runtime(target, drafter, fixed(max_batch=2, max_len=80, memory_limit=rest + one + one // 2))
-    assert rt.cache_budget == one + one // 2  # room for one such request, not two
+    assert rt.scheduler.cache_budget == one + one // 2  # room for one such request, not two
     a = rt.add_request(case["prompt_ids"], max_new_tokens=24)
     b = rt.add_request(case["prompt_ids"], max_new_tokens=24)
     rt.step()
@@ -89,7 +89,7 @@ def test_paged_rows_hold_what_they_write_and_wait_for_memory(reference_pair):
     while not rt.is_finished(b):
         rt.step()
     assert rt.pop(a).emitted == rt.pop(b).emitted == case["output_ids"][:24]
-    assert rt.reserved == 0
+    assert rt.scheduler.reserved == 0
 
 
 def test_a_paged_cache_is_resident_only_where_written():

@@ -73,7 +73,7 @@ def test_logits_match_transformers(smollm2):
 def test_greedy_matches_transformers(smollm2):
     _, target, hf, tok, prompts = smollm2
     stops = [tok.eos_token_id]
-    for ids in prompts:
+    for ids in prompts[::2]:  # code, prose and chat
         n = 24 + len(ids) % 9  # 24..32 new tokens
         ours = dflow_rt.oracle.generate(target, None, ids, max_new_tokens=n, stop_token_ids=stops).token_ids
         with torch.no_grad():

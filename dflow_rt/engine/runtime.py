@@ -10,13 +10,11 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import hashlib
-import heapq
 import itertools
 import logging
 import random
 import threading
 import time
-from collections import deque
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
@@ -26,17 +24,17 @@ from dflow_rt import compat
 from dflow_rt.checks import check_fits, check_int, check_sampling, cut_at_stop, prompt_tensor, stop_set
 from dflow_rt.config import RuntimeConfig
 from dflow_rt.engine.limits import check_memory, rotary_growth, row_bytes
-from dflow_rt.engine.lookup import NgramIndex
 from dflow_rt.engine.policy import UNTIMED, RoundPolicy, TimingsFile
 from dflow_rt.engine.request import Request
+from dflow_rt.engine.scheduler import Scheduler
 from dflow_rt.engine.settings import resolve_config
 from dflow_rt.errors import BusyError, InputError, RequestError
 from dflow_rt.graphs import compile_cache
 from dflow_rt.graphs.plan import RoundPlan
+from dflow_rt.graphs.prefill import prefill
 from dflow_rt.graphs.runner import build_rounds, guard_failure
 from dflow_rt.graphs.state import DecodeState
 from dflow_rt.kernels.cpu import ops as cpu_ops
-from dflow_rt.kernels.sampling import sample, screen
 from dflow_rt.models import cache_pages, exact_codes, huge_pages
 
 log = logging.getLogger("dflow_rt")
@@ -53,9 +51,9 @@ class Runtime:
         self.plan = plan = RoundPlan.of(c, target, drafter)
         positions = max(c.max_len, plan.lengths[-1])  # the cache's: a static plan rounds its length up
         paged = cache_pages.available(target.lm_head.weight.device)  # rows resident as they write
-        self.cache_budget = check_memory(dataclasses.replace(c, max_len=positions), target, drafter, plan.block_size,
-                                         paged)  # what rows may hold at once, where paged: admission keeps to it
-        self.reserved = 0  # of it, what the requests holding rows may write
+        budget = check_memory(dataclasses.replace(c, max_len=positions), target, drafter, plan.block_size, paged)
+        self.scheduler = Scheduler(c.max_batch, budget, c.prefill_chunk, self._reservation, plan.lookup)
+        self.rows = self.scheduler.rows  # the request each row serves (None: padding to the rounds)
         products = plan.kernels.implementations["linear"]  # the C++ kernels, or torch's ops
         if products == "torch":
             exact_codes.restore(target, drafter)  # weights held as codes need the kernel
@@ -66,7 +64,6 @@ class Runtime:
             log.info("weights in exact codes: %.0f MB of float32 streamed as %.0f MB",
                      self.exact_codes["float32"] / 1e6, self.exact_codes["coded"] / 1e6)
         before = self.prepare_attention if hasattr(plan.kernels.attention, "plan") else None  # FlashInfer
-        self.rows: list[Request | None] = [None] * c.max_batch
         with rotary_growth(c.max_len, target, drafter):  # undone if construction fails
             self.state = DecodeState.allocate(target, drafter, c.max_batch, positions, plan.block_size)
             self._before, cache = before, self._compile_cache()
@@ -77,11 +74,8 @@ class Runtime:
                 self.rounds = build_rounds(target, drafter, self.state, now, before, cache)
             self.compile_cache_hit = cache is not None and cache.loaded > 0 and cache.saved == 0
         self.rounds_run = 0
-        self.prefill_tokens = 0  # prompt tokens the last step prefilled
         self._asked = 0.0  # when `_compiled_on_disk` last looked
         self._start_policy()
-        self.waiting: deque[Request] = deque()
-        self.free_rows = list(range(c.max_batch))  # a heap: lowest rows first keeps buckets small
         self.requests: dict[int, Request] = {}
         self._rids = itertools.count()  # next() is atomic: add_request may run beside a step()
         self._stepping = threading.Lock()
@@ -174,10 +168,10 @@ class Runtime:
         max_new_tokens = check_int("max_new_tokens", max_new_tokens, 1)
         check_fits(prompt.numel(), max_new_tokens, self.plan.block_size, self.config.max_len)
         need = self._reservation(prompt.numel(), max_new_tokens)
-        if self.cache_budget is not None and need > self.cache_budget:
+        budget = self.scheduler.cache_budget
+        if budget is not None and need > budget:
             raise InputError(f"a prompt of {prompt.numel()} tokens and {max_new_tokens} new ones need "
-                             f"{need / 2**30:.2f} GiB of cache, more than this Runtime's "
-                             f"{self.cache_budget / 2**30:.2f} GiB")
+                             f"{need / 2**30:.2f} GiB of cache, more than this Runtime's {budget / 2**30:.2f} GiB")
         sampling = check_sampling(temperature, top_k, top_p, seed, vocab)
         if sampling.temperature > 0 and not self.plan.sampling:
             raise InputError(f"temperature {sampling.temperature}: this Runtime has greedy rounds only "
@@ -187,7 +181,7 @@ class Runtime:
         seed = random.getrandbits(62) if sampling.seed is None else sampling.seed
         self.requests[rid] = req = Request(rid, prompt, max_new_tokens, stops, sampling.temperature, sampling.top_k,
                                            sampling.top_p, seed, need=need)
-        self.waiting.append(req)
+        self.scheduler.waiting.append(req)
         return rid
 
     def is_finished(self, rid: int) -> bool:
@@ -210,8 +204,8 @@ class Runtime:
             req = self._request(rid)
             if req.finished:
                 return
-            if req in self.waiting:
-                self.waiting.remove(req)
+            if req in self.scheduler.waiting:
+                self.scheduler.waiting.remove(req)
             self._finish(req)
 
     def step(self) -> dict[int, list[int]]:
@@ -234,7 +228,8 @@ class Runtime:
                 raise InputError("a weight of the models was replaced after this Runtime was built (new data, "
                                  "dtype or shape): its compiled rounds were built for the old one; build a new "
                                  "Runtime")
-            if self.waiting and self.free_rows:  # compiled rounds check their guards here, not every step
+            sched = self.scheduler
+            if sched.waiting and sched.free_rows:  # compiled rounds check their guards here, not every step
                 failed = guard_failure(self.rounds)
                 if failed:
                     raise InputError(f"the models or torch's settings changed after this Runtime was built, and "
@@ -272,8 +267,14 @@ class Runtime:
         n = p.buckets[bisect.bisect_left(p.buckets, rows)]
         return n, p.lengths[bisect.bisect_left(p.lengths, position + p.block_size)]
 
+    @property
+    def prefill_tokens(self) -> int:
+        """Prompt tokens the last step prefilled."""
+        return self.scheduler.prefill_tokens
+
     def _step(self) -> dict[int, list[int]]:
-        self._admit()
+        for group, end in self.scheduler.admit():
+            prefill(self.state, self.plan, self.target, self.drafter, group, end)
         held = [r for r in self.rows if r is not None]  # rows still prefilling are padding to the round
         live = [r for r in held if r.prefilled == r.prompt.numel()]
         if not live:
@@ -399,78 +400,7 @@ class Runtime:
 
     def _finish(self, req: Request) -> None:
         req.finished = True
-        self.reserved, req.reserved = self.reserved - req.reserved, 0
-        if req.row >= 0:  # the row keeps running as padding until it is reused
-            self.state.release(req.row)
-            self.state.park(req.row)
-            heapq.heappush(self.free_rows, req.row)
-            self.rows[req.row], req.row = None, -1
-
-    def _admit(self) -> None:
-        """Waiting requests into free rows, then prompts into the caches: each admitted prompt whole
-        (equal lengths together), or, with `prefill_chunk` while some row decodes, at most that many
-        tokens this step, in admission order, a prompt's chunks over as many steps as it takes."""
-        while self.waiting and self.free_rows:
-            req = self.waiting[0]
-            if self.cache_budget is not None and self.reserved + req.need > self.cache_budget:
-                break  # waits until finished rows give their memory back
-            self.waiting.popleft()
-            req.reserved, self.reserved = req.need, self.reserved + req.need
-            req.row = heapq.heappop(self.free_rows)
-            self.rows[req.row] = req
-            req.text = NgramIndex(req.prompt.tolist()) if self.plan.lookup else None
-        held = [r for r in self.rows if r is not None]
-        filling = sorted((r for r in held if r.prefilled < r.prompt.numel()), key=lambda r: r.rid)
-        self.prefill_tokens = sum(r.prompt.numel() - r.prefilled for r in filling)  # this step's, at most
-        decoding = len(filling) < len(held)
-        budget = self.config.prefill_chunk if decoding else None  # nobody to stall: whole prompts
-        if budget is None:
-            by_length: dict[int, list[Request]] = {}
-            for req in filling:
-                by_length.setdefault(req.prompt.numel(), []).append(req)
-            for group in by_length.values():
-                self._prefill(group, group[0].prompt.numel())
-            return
-        self.prefill_tokens = 0
-        for req in filling:
-            if budget == 0:
-                break
-            take = min(budget, req.prompt.numel() - req.prefilled)
-            self._prefill([req], req.prefilled + take)
-            budget -= take
-            self.prefill_tokens += take
-
-    def _prefill(self, group: list[Request], end: int) -> None:
-        """Prompt positions [prefilled, end) of `group` (requests at the same point) through the
-        target, writing only their own rows; a group whose prompts end at `end` starts decoding.
-
-        The first token is sampled on the device and reported by the next round's output. Until
-        then a row is padding to the rounds, parked at `end`: what a round writes there lies past
-        its prompt so far, where the next chunk writes (and nothing reads it before)."""
-        s, P, dev = self.state, group[0].prompt.numel(), self.state.tokens.device
-        rows = torch.tensor([r.row for r in group], device=dev)
-        begin = group[0].prefilled
-        pos = torch.arange(begin, end, device=dev).expand(len(group), end - begin)
-        ids = torch.stack([r.prompt[begin:end] for r in group])
-        logits, features = self.target(ids, pos, s.target_cache, rows, layer_ids=self.plan.layer_ids,
-                                       logits_from=end - begin - 1)
-        if self.drafter is not None:
-            self.drafter.write_context(features, pos, s.draft_cache, rows)
-        for req in group:
-            req.prefilled = req.position = end
-        if end < P:
-            s.start[rows] = end
-            s.ctx_start[rows] = end
-            return
-        for name in ("temperature", "top_k", "top_p", "seed"):
-            getattr(s, name)[rows] = torch.tensor([getattr(r, name) for r in group], device=dev,
-                                                  dtype=getattr(s, name).dtype)
-        s.faulted[rows] = screen(logits, self.plan.exclude)  # reported with the next round's tokens
-        if self.drafter is not None:
-            s.last_verify.clear(rows)
-        first = sample(logits, s.temperature[rows], s.top_k[rows], s.top_p[rows], s.seed[rows], pos[:, -1:] + 1)
-        s.tokens[rows] = first[:, 0]
-        s.start[rows] = P
-        s.ctx_start[rows] = P
-        s.fresh[rows] = True
-        s.active[rows] = True
+        row = self.scheduler.release(req)
+        if row >= 0:  # the row keeps running as padding until it is reused
+            self.state.release(row)
+            self.state.park(row)
