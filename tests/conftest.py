@@ -45,6 +45,16 @@ def no_background_builds(monkeypatch):
 
 
 @pytest.fixture(autouse=True)
+def kernels_as_they_were(monkeypatch):
+    """`generate` and `serve` on a machine without the C++ kernels built defer them for the whole
+    process (`cpu_ops.defer`): whatever a test's commands decided is undone after it."""
+    from dflow_rt.kernels.cpu import ops
+
+    monkeypatch.setattr(ops, "_ready", ops._ready)
+    monkeypatch.setattr(ops, "_deferred", ops._deferred)
+
+
+@pytest.fixture(autouse=True)
 def fresh_timings(tmp_path, monkeypatch):
     """Each test's Runtimes keep their fallback timings apart (`RuntimeConfig.keep_timings`): a choice
     of widths learned by one test would otherwise steer the next."""

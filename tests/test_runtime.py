@@ -11,6 +11,7 @@ import dflow_rt.oracle
 from dflow_rt.config import RuntimeConfig
 from dflow_rt.engine.runtime import Runtime
 from dflow_rt.errors import InputError
+from dflow_rt.graphs.prefill import keys_read
 from tests.conftest import FIXTURES
 from tests.helpers import fixed, random_relay, whole_block
 
@@ -399,3 +400,19 @@ def test_chunked_prefill_emits_the_same_tokens_while_rows_decode(reference_pair)
     assert [rt.pop(r).emitted for r in pair] == [long["output_ids"][:24]] * 2
     with pytest.raises(InputError, match="prefill_chunk"):
         Runtime(target, drafter, fixed(max_batch=1, max_len=64, prefill_chunk=0))
+
+
+def test_a_prompt_pass_over_keys_cut_at_a_key_block_is_bit_identical(reference_pair):
+    """On CPU a prompt (or chunk) attends over the cache up to its end rounded up to SDPA's key block
+    (`keys_read`): the same logits, bit for bit, as over the whole cache."""
+    target, _ = reference_pair
+    cache, rows = target.new_cache(2, 1000), torch.tensor([1])  # the fixture's rotary table: 1,024
+    torch.manual_seed(0)
+    for begin, end in ((0, 37), (0, 512), (480, 530), (600, 616), (990, 1000)):
+        ids = torch.randint(0, target.config.vocab_size, (1, end - begin))
+        pos = torch.arange(begin, end)[None]
+        with torch.inference_mode():
+            whole, _ = target(ids, pos, cache, rows)
+            n = keys_read(end, cache.max_len)
+            cut, _ = target(ids, pos, cache.view(2, n), rows)
+        assert n in (512, 1000) and torch.equal(whole, cut), (begin, end)

@@ -28,9 +28,15 @@ def load_models_from(args: argparse.Namespace, need_tokenizer: bool = True, dtyp
 def load_decoding_models(args: argparse.Namespace):
     """(target, drafter or None, tokenizer) for a command that decodes (generate, serve): the bundled
     DFlash drafter by default where the package ships one for the target (`--drafter none`: the
-    target alone), and the autotune file's dtype and threads where the flags leave them open."""
-    from dflow_rt.models.bundled import bundled_targets
+    target alone), and the autotune file's dtype and threads where the flags leave them open. On a
+    CPU whose C++ kernels are not built yet, the answer does not wait for them either (`cpu_ops.defer`):
+    the background build of the compiled rounds makes them."""
+    from dflow_rt.kernels.cpu import ops as cpu_ops
+    from dflow_rt.models.bundled import bundled_targets, pick_device
 
+    wait = getattr(args, "compile_wait", False) or getattr(args, "build_rounds", False)
+    if not wait and args.mode != "eager" and pick_device(args.device) == "cpu":
+        cpu_ops.defer()  # before the models load: they load as float32, coded once the kernels are on
     if args.drafter is None and (args.target is None or args.target in bundled_targets()):
         args.drafter = "dflash"  # the default drafter of every bundled pair (docs/RESULTS.md)
     tuned = tuned_knobs(args)
@@ -83,10 +89,13 @@ def add_start_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--build-rounds", action="store_true", help=argparse.SUPPRESS)
 
 
+KERNELS_PENDING = " over torch's ops (the C++ kernels are not built on this machine yet)"
+
+
 def build_in_background(argv: list[str], meanwhile: str) -> None:
-    """Run this command again as `--build-rounds`, detached: it builds the compiled rounds into the
-    disk cache and exits, so that later starts (and a running server, between requests) use them.
-    One line on stderr says so, with the build's pid and log."""
+    """Run this command again as `--build-rounds`, detached: it builds the C++ kernels where they are
+    not built yet and the compiled rounds into the disk cache and exits, so that later starts (and a
+    running server, between requests) use them. One line on stderr says so, with the build's pid and log."""
     import os
     import subprocess
 

@@ -7,6 +7,7 @@ import json
 import sys
 
 from dflow_rt.commands.common import (
+    KERNELS_PENDING,
     add_start_args,
     add_tuned_args,
     build_in_background,
@@ -69,7 +70,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
               f"{stats['rounds']} rounds{plain}",
               file=sys.stderr if args.quiet_stats else sys.stdout)
     if rt.compile_pending:
-        build_in_background(args.argv, "this answer ran on eager rounds")
+        build_in_background(args.argv, "this answer ran on eager rounds" + KERNELS_PENDING * rt.kernels_pending)
 
 
 def cmd_eval_tau(args: argparse.Namespace) -> None:

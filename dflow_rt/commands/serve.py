@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from dflow_rt.commands.common import (
+    KERNELS_PENDING,
     add_start_args,
     add_tuned_args,
     build_in_background,
@@ -94,7 +95,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
     if args.build_rounds:
         return  # built and on disk: the server that started this process switches to them
     if engine.rt.compile_pending:
-        build_in_background(args.argv, "serving from eager rounds meanwhile (the server switches between requests)")
+        build_in_background(args.argv, "serving from eager rounds" + KERNELS_PENDING * engine.rt.kernels_pending
+                            + " meanwhile (the server switches between requests)")
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:  # a signal handler: drain() only sets an attribute

@@ -34,6 +34,7 @@ Greedy and sampled rounds get a policy each (their acceptance differs).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import statistics
@@ -43,6 +44,9 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from dflow_rt.graphs import compile_cache
+from dflow_rt.kernels.cpu import ops as cpu_ops
 
 FIRST_RETRY = 16  # plain steps before drafting is tried again, doubling while plain steps keep winning
 LONGEST_RETRY = 512
@@ -210,6 +214,23 @@ class TimingsFile:
     def __init__(self, key: str) -> None:
         self.path = self.directory() / f"{key}.json"
         self.saved_at: float | None = None
+
+    @classmethod
+    def of(cls, target, drafter, plan) -> TimingsFile:
+        """The file of these models (their values too: another drafter accepts otherwise) and these
+        rounds (`plan`), on this machine and thread count (`compile_cache.entry_key`)."""
+        values = hashlib.sha256()
+        for m in (target, drafter):
+            for module in m.modules() if m is not None else ():
+                codes = getattr(module, "codes", None)  # a weight held as codes has no float32 values to read
+                if codes is not None:
+                    values.update(codes.codes.reshape(-1)[:64].cpu().numpy().tobytes())
+                for p in module.parameters(recurse=False):
+                    if not cpu_ops.held(p):
+                        values.update(p.detach().reshape(-1)[:16].float().cpu().numpy().tobytes())
+        settings = {**plan.graph_settings(), "buckets": plan.buckets, "widths": plan.widths,
+                    "values": values.hexdigest()[:16]}
+        return cls(compile_cache.entry_key(target, drafter, settings)[0])
 
     @staticmethod
     def directory() -> Path:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import hashlib
 import itertools
 import logging
 import random
@@ -30,7 +29,7 @@ from dflow_rt.engine.scheduler import Scheduler
 from dflow_rt.engine.settings import resolve_config
 from dflow_rt.errors import BusyError, InputError, RequestError
 from dflow_rt.graphs import compile_cache
-from dflow_rt.graphs.plan import RoundPlan
+from dflow_rt.graphs.plan import RoundPlan, static_length
 from dflow_rt.graphs.prefill import prefill
 from dflow_rt.graphs.runner import build_rounds, guard_failure
 from dflow_rt.graphs.state import DecodeState
@@ -48,8 +47,13 @@ class Runtime:
         if c.mode == "cudagraph" and target.lm_head.weight.device.type != "cuda":
             raise InputError("mode 'cudagraph' needs the models on a CUDA device")
         self.target, self.drafter = target, drafter
+        cpu = target.lm_head.weight.device.type == "cpu"
+        if cpu_ops.deferred() and not (cpu and c.eager_start and self._keeps_rounds()):
+            cpu_ops.resume(build=True)  # no background build comes to make the kernels: made here, now
+        self.kernels_pending = cpu and cpu_ops.deferred()  # torch's ops serve until they are on disk
         self.plan = plan = RoundPlan.of(c, target, drafter)
-        positions = max(c.max_len, plan.lengths[-1])  # the cache's: a static plan rounds its length up
+        # the cache's: a static plan rounds its length up (as it will once pending kernels serve)
+        positions = max(c.max_len, plan.lengths[-1], static_length(c.max_len) if self.kernels_pending else 0)
         paged = cache_pages.available(target.lm_head.weight.device)  # rows resident as they write
         budget = check_memory(dataclasses.replace(c, max_len=positions), target, drafter, plan.block_size, paged)
         self.scheduler = Scheduler(c.max_batch, budget, c.prefill_chunk, self._reservation, plan.lookup)
@@ -68,13 +72,14 @@ class Runtime:
             self.state = DecodeState.allocate(target, drafter, c.max_batch, positions, plan.block_size)
             self._before, cache = before, self._compile_cache()
             # eager_start on an empty cache: eager rounds now, the compiled ones once on disk (`compile_rounds`)
-            self.compile_pending = cache is not None and c.eager_start and not (cache.dir / compile_cache.META).exists()
+            self.compile_pending = cache is not None and c.eager_start and (
+                self.kernels_pending or not (cache.dir / compile_cache.META).exists())
             now, cache = (dataclasses.replace(plan, mode="eager"), None) if self.compile_pending else (plan, cache)
             with torch.inference_mode():
                 self.rounds = build_rounds(target, drafter, self.state, now, before, cache)
             self.compile_cache_hit = cache is not None and cache.loaded > 0 and cache.saved == 0
         self.rounds_run = 0
-        self._asked = 0.0  # when `_compiled_on_disk` last looked
+        self._asked = 0.0  # when `_built_on_disk` last looked
         self._start_policy()
         self.requests: dict[int, Request] = {}
         self._rids = itertools.count()  # next() is atomic: add_request may run beside a step()
@@ -93,7 +98,7 @@ class Runtime:
             widths = {n: plan.round_widths(n) for n in plan.buckets}
             self.policy, self.sampled_policy = RoundPolicy(widths), RoundPolicy(widths)
             if c.keep_timings and not self.compile_pending:
-                self.timings = TimingsFile(self._timings_key())
+                self.timings = TimingsFile.of(self.target, self.drafter, self.plan)
                 kept = self.timings.load()
                 self.policy.restore(kept.get("greedy", {}))
                 self.sampled_policy.restore(kept.get("sampled", {}))
@@ -104,13 +109,17 @@ class Runtime:
         holds a row, since building runs each round once over the rows; False (nothing done) else.
         `step()` does it by itself when the compiled rounds appear on disk between requests."""
         with self._exclusive("compile_rounds"), torch.inference_mode():
-            return self._switch_to_compiled()
+            return self._switch_to_compiled(here=True)
 
-    def _switch_to_compiled(self) -> bool:
+    def _switch_to_compiled(self, here: bool = False) -> bool:
         if not self.compile_pending:
             return True
         if any(row is not None for row in self.rows):
             return False
+        if self.kernels_pending:
+            self._switch_kernels(build=here)
+            if not here:
+                return False  # the compiled rounds once they are on disk too
         cache = self._compile_cache()
         self.rounds = build_rounds(self.target, self.drafter, self.state, self.plan, self._before, cache)
         self.compile_cache_hit = cache is not None and cache.loaded > 0 and cache.saved == 0
@@ -119,42 +128,47 @@ class Runtime:
         log.info("compiled rounds in use (%s)", "from the disk cache" if self.compile_cache_hit else "compiled here")
         return True
 
-    def _compile_cache(self) -> compile_cache.Entry | None:
-        """The disk cache's entry for these rounds, or None where rounds are not kept: eager, another
-        compiler than inductor, frozen weights, opted out, a torch `compat` does not know, or CPU
-        rounds without a C++ compiler (they run eager)."""
+    def _switch_kernels(self, build: bool = False) -> None:
+        """Onto the C++ kernels a background build put on disk (with `build`: built here if they are
+        not), between requests: the weights held as their codes, the plan made again (where compiled,
+        the C++ attention's static length) and eager rounds over it until the compiled ones are on disk."""
+        cpu_ops.resume(build)
+        if cpu_ops.deferred():
+            return
+        self.kernels_pending = False
+        self.plan = RoundPlan.of(self.config, self.target, self.drafter)
+        cpu = self.plan.kernels.implementations["linear"] == "cpu"
+        self.exact_codes = exact_codes.attach(self.target, self.drafter) if cpu else None
+        eager = dataclasses.replace(self.plan, mode="eager")
+        self.rounds = build_rounds(self.target, self.drafter, self.state, eager, self._before, None)
+        self._start_policy()
+        log.info("the C++ kernels are in use%s", "" if cpu_ops.enabled() else ": their library failed to load")
+
+    def _keeps_rounds(self) -> bool:
+        """Whether compiled rounds are kept on disk: not for eager, another compiler than inductor, frozen
+        weights, opted out, a torch `compat` does not know, or CPU rounds without a C++ compiler (eager)."""
         c = self.config
         if c.mode == "eager" or c.compiler != "inductor" or not c.compile_cache or c.freeze or not compat.known():
-            return None
-        if self.state.tokens.device.type == "cpu" and compat.cpp_compiler() is None:
+            return False
+        return self.target.lm_head.weight.device.type != "cpu" or compat.cpp_compiler() is not None
+
+    def _compile_cache(self) -> compile_cache.Entry | None:
+        """The disk cache's entry for these rounds, or None where rounds are not kept."""
+        if not self._keeps_rounds():
             return None
         return compile_cache.Entry(*compile_cache.entry_key(self.target, self.drafter, self.plan.graph_settings()))
 
-    def _compiled_on_disk(self) -> bool:
-        """Whether this eager-started Runtime's compiled rounds are on disk now, and no row is live; the
-        disk is asked at most once a second."""
+    def _built_on_disk(self) -> bool:
+        """Whether what this eager-started Runtime waits for (the C++ kernels, then its compiled rounds)
+        is on disk now, and no row is live; the disk is asked at most once a second."""
         now = time.monotonic()
         if any(row is not None for row in self.rows) or now - self._asked < 1.0:
             return False
         self._asked = now
+        if self.kernels_pending:
+            return cpu_ops.on_disk()
         cache = self._compile_cache()
         return cache is not None and (cache.dir / compile_cache.META).exists()
-
-    def _timings_key(self) -> str:
-        """The fallback's file: these models (their values too: another drafter accepts otherwise), these
-        rounds, on this machine and thread count (`compile_cache.entry_key`)."""
-        values = hashlib.sha256()
-        for m in (self.target, self.drafter):
-            for module in m.modules() if m is not None else ():
-                codes = getattr(module, "codes", None)  # a weight held as codes has no float32 values to read
-                if codes is not None:
-                    values.update(codes.codes.reshape(-1)[:64].cpu().numpy().tobytes())
-                for p in module.parameters(recurse=False):
-                    if not cpu_ops.held(p):
-                        values.update(p.detach().reshape(-1)[:16].float().cpu().numpy().tobytes())
-        settings = {**self.plan.graph_settings(), "buckets": self.plan.buckets, "widths": self.plan.widths,
-                    "values": values.hexdigest()[:16]}
-        return compile_cache.entry_key(self.target, self.drafter, settings)[0]
 
     def add_request(self, prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int = 256,
                     temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
@@ -218,7 +232,7 @@ class Runtime:
         non-blocking lock: nobody waits, and nobody changes the rows under a running round).
         """
         with self._exclusive("step"), torch.inference_mode():
-            if self.compile_pending and self._compiled_on_disk():
+            if self.compile_pending and self._built_on_disk():
                 self._switch_to_compiled()  # only between requests: no row is live
             if self._coded and exact_codes.changed(self._coded):
                 raise InputError("a weight of the models changed after this Runtime was built: its compiled "

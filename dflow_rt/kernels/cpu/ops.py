@@ -50,6 +50,7 @@ CODE_GROUP = 4  # rows of a weight stored together in its codes (`kGroup` in ker
 CODE_BLOCK = 32  # values of a row per block of codes (`kBlock`)
 CODE_RECORD = {"u4": CODE_GROUP * (8 + 16), "i8": CODE_GROUP * (4 + 32), "b16": CODE_GROUP * 64}  # bytes a block
 _ready: bool | None = None  # None: not tried yet in this process
+_deferred = False  # `defer`: off in this process until the library is on disk (`resume`)
 
 
 def enabled() -> bool:
@@ -62,20 +63,67 @@ def enabled() -> bool:
     return _ready
 
 
-def _load() -> bool:
+def defer() -> bool:
+    """A cold start's choice: where the library is not on disk yet, keep the kernels off in this
+    process (torch's ops serve) instead of building them before the first answer (tens of seconds);
+    another process builds them (the detached build of the compiled rounds) and `resume` loads them.
+    True when deferred; False where they are loaded, on disk, or cannot run here anyway."""
+    global _ready, _deferred
+    if _ready is not None:
+        return _deferred
+    library = library_path()
+    if library is None or library.exists():
+        return False
+    _ready, _deferred = False, True
+    return True
+
+
+def deferred() -> bool:
+    return _deferred
+
+
+def on_disk() -> bool:
+    """Whether this CPU's build of the library is on disk (another process may have made it)."""
+    library = library_path()
+    return library is not None and library.exists()
+
+
+def resume(build: bool = False) -> bool:
+    """End a `defer` once the library is on disk (with `build`: building it here now if it is not);
+    returns whether the kernels are on. A no-op (their state) where nothing was deferred."""
+    global _ready, _deferred
+    if _deferred:
+        if not build and not on_disk():
+            return False
+        _ready, _deferred = None, False
+    return enabled()
+
+
+def _wanted() -> bool:
+    """Not switched off (the debugging override), and a CPU the kernels have a tile for."""
+    return os.environ.get("DFLOW_RT_CPU_GEMV", "1") != "0" and torch.backends.cpu.get_cpu_capability() in ISAS
+
+
+def library_path() -> Path | None:
+    """Where this CPU's build of the library lives, or None where the kernels cannot run here."""
+    if not _wanted() or compat.cpp_compiler() is None:
+        return None
     isa = torch.backends.cpu.get_cpu_capability()
-    if os.environ.get("DFLOW_RT_CPU_GEMV", "1") == "0" or isa not in ISAS:
-        return False
-    if compat.cpp_compiler() is None:  # one line for the process, not a failed build's
-        compat.say_no_compiler()
-        return False
     from dflow_rt.paths import cache_root
 
     # the flags and the ISA are in the key: a cache shared by two machines keeps a build each
     source = b"".join(f.read_bytes() for f in (*SOURCES, HEADER)) + " ".join(FLAGS).encode()
     digest = hashlib.sha256(source + torch.__version__.encode() + isa.encode()).hexdigest()[:16]
-    out = cache_root() / "kernels" / f"cpu_gemv_{digest}"
-    library = out / "cpu_ops.so"
+    return cache_root() / "kernels" / f"cpu_gemv_{digest}" / "cpu_ops.so"
+
+
+def _load() -> bool:
+    library = library_path()
+    if library is None:
+        if _wanted():  # no compiler: one line for the process, not a failed build's
+            compat.say_no_compiler()
+        return False
+    out = library.parent
     try:
         if not library.exists():
             log.warning("building the CPU product kernel (once, tens of seconds): %s", out)
