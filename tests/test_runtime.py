@@ -89,11 +89,11 @@ def test_a_greedy_only_runtime_builds_no_sampling_round(reference_pair):
     """sampling=False: only greedy rounds exist (half the graphs to compile), they decode the
     reference's tokens, and a request that would sample is refused before it queues."""
     target, drafter = reference_pair
-    rt = Runtime(target, drafter, fixed(max_batch=2, max_len=160, mode="compile", compiler="aot_eager",
-                                        length_buckets=(64,), sampling=False))
+    rt = Runtime(target, drafter, fixed(max_batch=2, batch_buckets=(2,), max_len=160, mode="compile",
+                                        compiler="aot_eager", length_buckets=(64,), sampling=False))
     assert {key[2] for key in rt.rounds} == {True}
-    assert len(rt.rounds) == len(Runtime(target, drafter, fixed(max_batch=2, max_len=160, length_buckets=(64,)))
-                                 .rounds) // 2
+    both = Runtime(target, drafter, fixed(max_batch=2, batch_buckets=(2,), max_len=160, length_buckets=(64,)))
+    assert len(rt.rounds) == len(both.rounds) // 2
     with pytest.raises(InputError, match="greedy rounds only"):
         rt.add_request(CASES[0]["prompt_ids"], max_new_tokens=8, temperature=0.7)
     assert not rt.scheduler.waiting

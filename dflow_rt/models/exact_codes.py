@@ -157,7 +157,7 @@ def attach(*models: nn.Module | None) -> dict[str, int] | None:
     if not candidates or not enabled():
         restore(*models)
         return None
-    placed = [m for m in models if getattr(m, huge_pages._MOVED, False)]
+    placed = [m for m in models if huge_pages.placed(m)]
     sizes = {"coded": 0, "float32": 0, "plain": 0}
     released = False
     # each weight once (a tied table and head: one Parameter), heads before tables: a table's bytes are
@@ -205,7 +205,7 @@ def attach(*models: nn.Module | None) -> dict[str, int] | None:
         trim()
     for model in models:  # a held weight is never moved into huge pages (`huge_pages.place` would copy
         if any(cpu_ops.held(p) for p in model.parameters()):  # its placeholder out to full size)
-            object.__setattr__(model, huge_pages._MOVED, True)
+            huge_pages.settle(model)
     return sizes
 
 

@@ -25,6 +25,17 @@ MIN_BYTES = 64 << 20  # smaller models fit the TLB's reach, or nearly: not worth
 _MOVED = "_dflow_rt_huge_pages"  # set on a model whose weights were placed
 
 
+def placed(model: nn.Module) -> bool:
+    """Whether `place` has dealt with `model` (or was told to leave it: `settle`)."""
+    return getattr(model, _MOVED, False)
+
+
+def settle(model: nn.Module) -> None:
+    """Mark `model` as placed: `place` leaves it where it is (a model holding weights as codes, whose
+    placeholders it would copy out to full size)."""
+    object.__setattr__(model, _MOVED, True)
+
+
 def available() -> bool:
     return hasattr(mmap, "MADV_HUGEPAGE") and os.environ.get("DFLOW_RT_HUGE_PAGES", "1") != "0"
 
@@ -32,7 +43,7 @@ def available() -> bool:
 def place(*models: nn.Module | None, min_bytes: int = MIN_BYTES) -> bool:
     """Move the CPU parameters of `models` (shared ones once) into huge pages; True if moved.
     A no-op for models already placed, on other devices, below `min_bytes`, or off Linux."""
-    models = tuple(m for m in models if m is not None and not getattr(m, _MOVED, False))
+    models = tuple(m for m in models if m is not None and not placed(m))
     params = list({id(p): p for m in models for p in m.parameters() if p.device.type == "cpu"}.values())
     total = sum(_padded(p) for p in params)
     if not available() or not params or total < min_bytes:
@@ -53,7 +64,7 @@ def place(*models: nn.Module | None, min_bytes: int = MIN_BYTES) -> bool:
             p.data = view  # the old storage is freed here, so the peak stays near one copy plus the mapping
             at += _padded(p)
     for m in models:
-        object.__setattr__(m, _MOVED, True)
+        settle(m)
     return True
 
 
