@@ -48,7 +48,7 @@ class Runtime:
             raise InputError("mode 'cudagraph' needs the models on a CUDA device")
         self.target, self.drafter = target, drafter
         cpu = target.lm_head.weight.device.type == "cpu"
-        if cpu_ops.deferred() and not (cpu and c.eager_start and self._keeps_rounds()):
+        if cpu and cpu_ops.deferred() and not (c.eager_start and self._keeps_rounds()):
             cpu_ops.resume(build=True)  # no background build comes to make the kernels: made here, now
         self.kernels_pending = cpu and cpu_ops.deferred()  # torch's ops serve until they are on disk
         self.plan = plan = RoundPlan.of(c, target, drafter)

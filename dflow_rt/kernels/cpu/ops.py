@@ -13,9 +13,10 @@ A Runtime routes its models' passes here or to torch through `RuntimeConfig.kern
 `build` (through `dflow_rt.compat.build_library`): `enabled` builds it for this CPU, and tests
 build the other instruction set's code with it. A failed build is logged and leaves the kernels
 off; a process without the C++ compiler skips the build and says so in one line
-(`compat.say_no_compiler`). Debugging override: DFLOW_RT_CPU_GEMV=0 in the environment keeps the
-kernels off in a whole process that could build them (torch's ops serve every product, attention
-and eager pass, as on a CPU without AVX2), e.g. to compare against them;
+(`compat.say_no_compiler`). A cold start may `defer` the build to another process (torch's ops
+serve meanwhile) and `resume` once the library is on disk. Debugging override: DFLOW_RT_CPU_GEMV=0
+in the environment keeps the kernels off in a whole process that could build them (torch's ops
+serve every product, attention and eager pass, as on a CPU without AVX2), e.g. to compare against them;
 DFLOW_RT_EXACT_CODES=0 (`dflow_rt.models.exact_codes`) keeps only the products over weight codes off.
 """
 
