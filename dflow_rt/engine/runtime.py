@@ -56,7 +56,7 @@ class Runtime:
         positions = max(c.max_len, plan.lengths[-1], static_length(c.max_len) if self.kernels_pending else 0)
         paged = cache_pages.available(target.lm_head.weight.device)  # rows resident as they write
         budget = check_memory(dataclasses.replace(c, max_len=positions), target, drafter, plan.block_size, paged)
-        self.scheduler = Scheduler(c.max_batch, budget, c.prefill_chunk, self._reservation, plan.lookup)
+        self.scheduler = Scheduler(c.max_batch, budget, c.prefill_chunk, plan.lookup)
         self.rows = self.scheduler.rows  # the request each row serves (None: padding to the rounds)
         products = plan.kernels.implementations["linear"]  # the C++ kernels, or torch's ops
         if products == "torch":

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from collections.abc import Callable
 
 from dflow_rt.engine.lookup import NgramIndex
 from dflow_rt.engine.request import Request
@@ -20,15 +19,13 @@ Work = list[tuple[list[Request], int]]  # (requests at the same prompt position,
 
 
 class Scheduler:
-    def __init__(self, max_batch: int, cache_budget: int | None, prefill_chunk: int | None,
-                 need: Callable[[int, int], int], lookup: bool):
+    def __init__(self, max_batch: int, cache_budget: int | None, prefill_chunk: int | None, lookup: bool):
         self.rows: list[Request | None] = [None] * max_batch
         self.free_rows = list(range(max_batch))  # a heap: lowest rows first keeps buckets small
         self.waiting: deque[Request] = deque()
         self.cache_budget = cache_budget  # what rows may hold at once, where paged (None: dense rows)
         self.reserved = 0  # of it, what the requests holding rows may write
         self.prefill_chunk = prefill_chunk
-        self.need = need  # cache bytes of (prompt, max_new_tokens)
         self.lookup = lookup
         self.prefill_tokens = 0  # prompt tokens the last `admit` scheduled
 
