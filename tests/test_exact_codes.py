@@ -256,3 +256,18 @@ def test_a_model_in_training_mode_keeps_its_float32():
     x = torch.randn(2, drafter.fc.in_features)
     with torch.no_grad():
         assert torch.equal(drafter.fc(x), torch.ops.dflow_rt.gemv(x, drafter.fc.weight))
+
+
+def test_a_runtime_built_in_inference_mode_holds_a_draft_vocabulary_head():
+    """`eval-tau` builds its Runtime under `torch.inference_mode()`: the drafter's draft-vocabulary head
+    is held as its codes there too (its placeholder once came out an inference tensor, whose version
+    cannot be read), and the tokens are the oracle's."""
+    hf, target, drafter = coded_pair(tied=True)
+    drafter.restrict_vocab(target, torch.arange(0, target.config.vocab_size, 2))
+    prompt = [3, 9, 4, 17, 2]
+    want = dflow_rt.oracle.generate(target, drafter, prompt, 16).token_ids
+    with torch.inference_mode():
+        rt = dflow_rt.Runtime(target, drafter, dflow_rt.RuntimeConfig(max_batch=1, max_len=64, mode="eager"))
+        got = rt.generate([prompt], max_new_tokens=16)[0]
+    assert cpu_ops.held(drafter.vocab_head) and not drafter.vocab_head.is_inference()
+    assert got == want

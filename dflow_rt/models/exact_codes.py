@@ -210,8 +210,10 @@ def attach(*models: nn.Module | None) -> dict[str, int] | None:
 
 
 def placeholder(weight: torch.Tensor) -> torch.Tensor:
-    """What a weight held as its codes keeps: its shape, dtype and device over one NaN (`ops.held`)."""
-    return torch.full((1,), float("nan"), dtype=weight.dtype, device=weight.device).expand(weight.shape)
+    """What a weight held as its codes keeps: its shape, dtype and device over one NaN (`ops.held`).
+    Never an inference tensor, whatever mode the Runtime is built in: the held weight's version is read."""
+    with torch.inference_mode(False):
+        return torch.full((1,), float("nan"), dtype=weight.dtype, device=weight.device).expand(weight.shape)
 
 
 def _leave_shared_storage(models: list[nn.Module]) -> None:
