@@ -154,6 +154,7 @@ def test_bundled_drafters_are_lossless_and_draft(smollm2):
 
     path, target, _, tok, prompts = smollm2
     code = suite_prompts(tok, "code", 2)
+    drafters = {}
     for name in ("dflash", "dflow"):
         drafter = dflow_rt.load_drafter(drafter_dir(name, "smollm2"), target)
         assert drafter_dir(name, "smollm2").parent.name == "smollm2" and drafter.block_size == 4
@@ -164,6 +165,12 @@ def test_bundled_drafters_are_lossless_and_draft(smollm2):
             assert spec.token_ids == dflow_rt.oracle.generate(target, None, ids, max_new_tokens=32).token_ids
             taus.append(spec.tau)
         assert sum(taus) / len(taus) > 1.2, taus  # a drafter that never hits: 1.0
+        drafters[name] = drafter
+    # DFlow is its relay on exactly DFlash's weights and draft vocabulary (MODEL_CARD.md)
+    base = drafters["dflash"].state_dict()
+    relayed = drafters["dflow"].state_dict()
+    assert all(torch.equal(relayed[k], v) for k, v in base.items() if k in relayed)
+    assert set(base) - set(relayed) == set() and torch.equal(drafters["dflow"].vocab_ids, drafters["dflash"].vocab_ids)
 
 
 def test_llama_cpp_decodes_our_greedy_tokens_from_the_converted_weights(smollm2):
